@@ -1,0 +1,89 @@
+"""Hydra entry point: ``python -m quantlab [+sweep=NAME] [group=option ...]``.
+
+    python -m quantlab +sweep=smoke                       # offline smoke sweep
+    python -m quantlab model=tiny scheme/weights=fp16     # one point
+    python -m quantlab -m scheme/weights=fp32,bf16        # ad-hoc multirun
+
+Before Hydra composes anything, config-group choices on the command line are
+checked against ``conf/`` so a typo fails with one line listing valid names.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from quantlab.config import register_configs
+from quantlab.errors import UserError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("model", "scheme/weights", "scheme/kv", "target", "probe", "tracking", "sweep")
+_OVERRIDE = re.compile(r"^[+~]{0,2}(?P<key>[\w/]+)=(?P<value>.*)$")
+
+log = logging.getLogger("quantlab")
+
+
+def presets(group: str) -> list[str]:
+    """Names of the YAML presets of a config group (schemas ``_x`` excluded)."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def check_overrides(argv: list[str]) -> list[str]:
+    """Validate group choices; return warnings. Raises UserError on unknown names."""
+    warnings = []
+    for arg in argv:
+        m = _OVERRIDE.match(arg)
+        if not m or m["key"] not in GROUPS or "(" in m["value"]:
+            continue
+        valid = presets(m["key"])
+        for choice in filter(None, m["value"].split(",")):
+            if choice not in valid:
+                raise UserError(f"unknown {m['key']} {choice!r}; valid: {', '.join(valid)}")
+            if m["key"] == "sweep":
+                warnings += _check_sweep_file(CONF_DIR / "sweep" / f"{choice}.yaml")
+    return warnings
+
+
+def _check_sweep_file(path: Path) -> list[str]:
+    head = path.read_text()
+    if not any(line.strip() == "# @package _global_" for line in head.splitlines()[:3]):
+        return [f"{path.name} lacks '# @package _global_': Hydra would silently run ONE point"]
+    if "MULTIRUN" not in head:
+        return [f"{path.name} does not set hydra.mode: MULTIRUN: it runs a single point"]
+    return []
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _main(cfg: DictConfig) -> None:
+    from quantlab.pipeline import run_point
+
+    run_cfg = OmegaConf.to_object(cfg)
+    try:
+        result = run_point(run_cfg)
+    except UserError as e:  # store unusable: nothing was run
+        print(f"quantlab: {e}", file=sys.stderr)
+        sys.exit(2)
+    if result.outcome == "failed" and not _in_multirun():
+        sys.exit(1)
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def main() -> None:
+    register_configs()
+    try:
+        for w in check_overrides(sys.argv[1:]):
+            print(f"quantlab: warning: {w}", file=sys.stderr)
+        _main()
+    except UserError as e:
+        print(f"quantlab: {e}", file=sys.stderr)
+        sys.exit(2)

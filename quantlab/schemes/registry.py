@@ -1,0 +1,103 @@
+"""Scheme handlers keyed by config type (torchao's ``quantize_(model, config)`` shape).
+
+A handler is two functions:
+
+* ``support(cfg, hw) -> Support``: can hardware ``hw`` run ``cfg`` for real,
+  only emulated (numerics right, latency not that of the scheme), or not at all
+  (with the reason). Called before anything is loaded.
+* ``apply(model, cfg, ctx) -> Applied``: quantize ``model`` in place and say
+  which backend served it.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+
+from quantlab.hardware import Hardware
+
+_MODULES = (
+    "quantlab.schemes.float",
+    "quantlab.schemes.kv",
+)
+
+
+@dataclass(frozen=True)
+class Support:
+    status: Literal["real", "emulated", "unsupported"]
+    reason: str = ""
+
+    @property
+    def runnable(self) -> bool:
+        return self.status != "unsupported"
+
+
+@dataclass
+class ApplyContext:
+    """What a handler may need beyond the model: hardware, calibration, caches."""
+
+    hw: Hardware
+    tokenizer: Any = None
+    calibration: Callable[[], list[torch.Tensor]] | None = None
+    cache_dir: str | None = None
+
+
+@dataclass
+class Applied:
+    backend: str
+    emulated: bool
+    extra_tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Handler:
+    schema: str
+    config_type: type
+    support: Callable[[Any, Hardware], Support]
+    apply: Callable[[torch.nn.Module, Any, ApplyContext], Applied]
+
+
+_WEIGHTS: dict[type, Handler] = {}
+_KV: dict[type, Handler] = {}
+
+
+def register_weights(schema: str, config_type: type, support, apply) -> None:
+    _WEIGHTS[config_type] = Handler(schema, config_type, support, apply)
+
+
+def register_kv(schema: str, config_type: type, support, apply) -> None:
+    _KV[config_type] = Handler(schema, config_type, support, apply)
+
+
+def _load() -> None:
+    for mod in _MODULES:
+        importlib.import_module(mod)
+
+
+def weight_schemas() -> dict[str, type]:
+    _load()
+    return {h.schema: h.config_type for h in _WEIGHTS.values()}
+
+
+def kv_schemas() -> dict[str, type]:
+    _load()
+    return {h.schema: h.config_type for h in _KV.values()}
+
+
+def _lookup(table: dict[type, Handler], cfg: Any, kind: str) -> Handler:
+    _load()
+    try:
+        return table[type(cfg)]
+    except KeyError:
+        known = ", ".join(sorted(t.__name__ for t in table))
+        raise TypeError(f"no {kind} handler for {type(cfg).__name__}; known: {known}") from None
+
+
+def weights_handler(cfg: Any) -> Handler:
+    return _lookup(_WEIGHTS, cfg, "weight-scheme")
+
+
+def kv_handler(cfg: Any) -> Handler:
+    return _lookup(_KV, cfg, "kv-scheme")

@@ -1,0 +1,64 @@
+"""Hydra callback that brackets a multirun with an MLflow parent run.
+
+``on_multirun_start`` opens the parent run and exports its id in
+``QUANTLAB_PARENT_RUN_ID`` (inherited by launcher workers); each point's child
+run points at it. ``on_multirun_end`` prints and logs the summary table, closes
+the parent, and exits non-zero when any point failed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from quantlab import report, tracking
+from quantlab.config import TrackingConfig
+from quantlab.errors import UserError
+from quantlab.pipeline import PARENT_ENV
+
+log = logging.getLogger("quantlab")
+
+
+def _tracking_cfg(config: DictConfig) -> TrackingConfig:
+    return TrackingConfig(**OmegaConf.to_container(config.tracking, resolve=True))
+
+
+class SweepCallback(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        try:
+            client, exp_id = tracking.connect(_tracking_cfg(config))
+        except UserError as e:
+            print(f"quantlab: {e}", file=sys.stderr)
+            sys.exit(2)
+        sweep = config.get("sweep_name", "adhoc")
+        params = {f"sweep.{k}": str(v) for k, v in config.hydra.sweeper.params.items()} \
+            if config.hydra.sweeper.get("params") else {}
+        params["sweep.overrides"] = " ".join(config.hydra.overrides.task) or "-"
+        name = f"sweep:{sweep} {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        tags = {tracking.SWEEP_TAG: sweep, "quantlab.role": "sweep",
+                "git_commit": tracking.git_commit(), **tracking.versions()}
+        parent = tracking.start_run(client, exp_id, name, tags, params=params)
+        os.environ[PARENT_ENV] = parent
+        log.info("sweep %s: parent run %s in %s", sweep, parent, config.tracking.uri)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        parent = os.environ.pop(PARENT_ENV, None)
+        if parent is None:
+            return
+        client, exp_id = tracking.connect(_tracking_cfg(config))
+        runs = tracking.children(client, exp_id, parent)
+        text = report.table(runs)
+        print("\n" + text + "\n", flush=True)
+        tracking.log_text(client, parent, text + "\n", "summary.md")
+        failed = [r for r in runs if r.data.tags.get(tracking.OUTCOME_TAG) == "failed"]
+        counts = {o: sum(r.data.tags.get(tracking.OUTCOME_TAG) == o for r in runs)
+                  for o in ("finished", "skipped", "failed")}
+        tracking.log_metrics(client, parent, {f"points_{k}": v for k, v in counts.items()})
+        client.set_terminated(parent, "FAILED" if failed else "FINISHED")
+        log.info("sweep done: %s", ", ".join(f"{v} {k}" for k, v in counts.items()))
+        if failed:
+            sys.exit(1)

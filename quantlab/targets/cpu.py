@@ -1,0 +1,27 @@
+"""CPU target: eager or torch.compile (inductor), settable thread count."""
+from __future__ import annotations
+
+import torch
+
+from quantlab import hardware
+from quantlab.config import CPUTargetConfig
+from quantlab.targets.base import Target
+
+
+class CPUTarget(Target):
+    name = "cpu"
+    cfg: CPUTargetConfig
+
+    def hardware(self):
+        return hardware.cpu()
+
+    def missing_reason(self) -> str:
+        return ""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def prepare(self) -> None:
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)

@@ -1,0 +1,135 @@
+"""MLflow: one parent run per sweep, one nested child run per point.
+
+Uses ``MlflowClient`` with explicit run ids rather than the fluent API, so
+several points (or processes) never fight over a global "active run".
+"""
+from __future__ import annotations
+
+import functools
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlflow
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+from mlflow.utils.time import get_current_time_millis
+
+from quantlab.config import TrackingConfig
+from quantlab.errors import UserError
+
+PARENT_TAG = "mlflow.parentRunId"
+SWEEP_TAG = "quantlab.sweep"
+OUTCOME_TAG = "quantlab.outcome"  # finished | skipped | failed
+REASON_TAG = "quantlab.reason"
+_BATCH = 100  # MLflow's log_batch limit on params per call
+
+
+def connect(cfg: TrackingConfig) -> tuple[MlflowClient, str]:
+    """Client and experiment id; creates the local store/experiment if needed.
+
+    Fails with one line before any work starts when the store is unusable.
+    """
+    uri = cfg.uri
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"tracking store {uri}: cannot create {db.parent}: {e.strerror}") from e
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        exp = client.get_experiment_by_name(cfg.experiment)
+        if exp is not None:
+            return client, exp.experiment_id
+        artifacts = None
+        if cfg.artifact_root:
+            artifacts = Path(cfg.artifact_root).expanduser().resolve().as_uri()
+        return client, client.create_experiment(cfg.experiment, artifact_location=artifacts)
+    except mlflow.exceptions.MlflowException as e:
+        raise UserError(f"tracking store {uri} unusable: {str(e).splitlines()[0]}") from e
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": "1"}``; lists and None become strings."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = str(v)
+    return out
+
+
+def start_run(client: MlflowClient, experiment_id: str, name: str, tags: dict[str, str],
+              parent_id: str | None = None, params: dict[str, str] | None = None) -> str:
+    tags = dict(tags)
+    if parent_id:
+        tags[PARENT_TAG] = parent_id
+    run = client.create_run(experiment_id, run_name=name, tags=tags)
+    items = [Param(k, v) for k, v in (params or {}).items()]
+    for i in range(0, len(items), _BATCH):
+        client.log_batch(run.info.run_id, params=items[i:i + _BATCH])
+    return run.info.run_id
+
+
+def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float]) -> None:
+    now = get_current_time_millis()
+    items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
+    for i in range(0, len(items), 1000):
+        client.log_batch(run_id, metrics=items[i:i + 1000])
+
+
+def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
+    client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+
+def log_text(client: MlflowClient, run_id: str, text: str, name: str) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / name
+        path.write_text(text)
+        client.log_artifact(run_id, str(path))
+
+
+def end(client: MlflowClient, run_id: str, outcome: str, reason: str = "") -> None:
+    """Close a run. ``skipped`` is FINISHED with the outcome tag (nothing broke)."""
+    tags = {OUTCOME_TAG: outcome}
+    if reason:
+        tags[REASON_TAG] = reason[:5000]
+    set_tags(client, run_id, tags)
+    client.set_terminated(run_id, "FAILED" if outcome == "failed" else "FINISHED")
+
+
+def children(client: MlflowClient, experiment_id: str, parent_id: str) -> list:
+    runs = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'", max_results=5000
+    )
+    return sorted(runs, key=lambda r: r.info.start_time)
+
+
+@functools.cache
+def git_commit() -> str:
+    """Commit of the quantlab checkout (``+dirty`` when modified), or ``unknown``."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                             text=True, check=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def versions(packages: Iterable[str] = ("torch", "transformers", "torchao", "mlflow", "quantlab")) -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for p in packages:
+        try:
+            out[f"version.{p}"] = version(p)
+        except PackageNotFoundError:
+            out[f"version.{p}"] = "absent"
+    return out

@@ -1,0 +1,46 @@
+"""Every preset in conf/ composes and becomes its typed dataclass."""
+from __future__ import annotations
+
+import pytest
+
+from quantlab.cli import GROUPS, presets
+from quantlab.config import CPUTargetConfig, CUDATargetConfig, ModelConfig, ProbeConfig, RunConfig
+from quantlab.schemes.float import FloatScheme
+from quantlab.schemes.kv import NoKV
+from tests.conftest import compose_cfg
+
+EXTRA = {"model": {"hf": ["model.path=some/model"], "gguf": ["model.path=/x.gguf"]}}
+CASES = [(g, p) for g in GROUPS if g != "sweep" for p in presets(g)]
+
+
+@pytest.mark.parametrize("group,preset", CASES, ids=[f"{g}={p}" for g, p in CASES])
+def test_preset_composes_to_typed_config(group, preset):
+    cfg = compose_cfg([f"{group}={preset}", *EXTRA.get(group, {}).get(preset, [])])
+    assert isinstance(cfg, RunConfig)
+    assert isinstance(cfg.model, ModelConfig)
+    assert isinstance(cfg.probe, ProbeConfig)
+    assert isinstance(cfg.target, (CPUTargetConfig, CUDATargetConfig))
+    assert isinstance(cfg.scheme.kv, NoKV)
+    assert cfg.scheme.weights.short_name()
+
+
+@pytest.mark.parametrize("sweep", presets("sweep"))
+def test_sweep_files_are_global_multirun(sweep):
+    cfg = compose_cfg([f"+sweep={sweep}"], to_object=False)
+    assert cfg.sweep_name == sweep
+    # hydra.mode lives in the hydra node, which compose() strips; read the file.
+    from quantlab.cli import CONF_DIR, _check_sweep_file
+
+    assert _check_sweep_file(CONF_DIR / "sweep" / f"{sweep}.yaml") == []
+
+
+@pytest.mark.parametrize("preset,dtype", [("fp32", "float32"), ("fp16", "float16"), ("bf16", "bfloat16")])
+def test_float_presets(preset, dtype):
+    w = compose_cfg([f"scheme/weights={preset}"]).scheme.weights
+    assert isinstance(w, FloatScheme) and w.dtype == dtype and w.short_name() == preset
+    assert w.to_dict() == {"type": "FloatScheme", "dtype": dtype}
+
+
+def test_bad_float_dtype_is_rejected():
+    with pytest.raises(ValueError, match="valid: float32, float16, bfloat16"):
+        FloatScheme(dtype="float8")

@@ -1,0 +1,102 @@
+"""End to end: the CLI runs a sweep on the tiny model into a temp MLflow store."""
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from quantlab import tracking
+from tests.conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def smoke_sweep(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sweep")
+    uri = f"sqlite:///{d}/mlflow.db"
+    proc = run_cli(["+sweep=smoke", "model=tiny", f"tracking.uri={uri}", f"tracking.artifact_root={d}/art"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("quantlab")
+    runs = client.search_runs([exp.experiment_id])
+    return proc, client, runs
+
+
+def test_one_parent_and_one_child_per_point(smoke_sweep):
+    _, client, runs = smoke_sweep
+    parents = [r for r in runs if r.data.tags.get("quantlab.role") == "sweep"]
+    children = [r for r in runs if tracking.PARENT_TAG in r.data.tags]
+    assert len(parents) == 1 and len(runs) == 4
+    assert {r.data.tags[tracking.PARENT_TAG] for r in children} == {parents[0].info.run_id}
+    assert sorted(r.info.run_name for r in children) == ["bf16@cpu", "fp16@cpu", "fp32@cpu"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert parents[0].data.metrics["points_finished"] == 3
+
+
+def test_children_carry_params_tags_metrics_and_config(smoke_sweep):
+    _, client, runs = smoke_sweep
+    child = next(r for r in runs if r.info.run_name == "bf16@cpu")
+    p, t, m = child.data.params, child.data.tags, child.data.metrics
+    assert p["scheme.weights.dtype"] == "bfloat16" and p["scheme.weights.type"] == "FloatScheme"
+    assert p["model.source"] == "tiny" and p["target.name"] == "cpu"
+    assert t["scheme"] == "bf16" and t["target"] == "cpu" and t["model"] == "tiny"
+    assert t["emulated"] == "false" and t[tracking.SWEEP_TAG] == "smoke"
+    assert t["version.torch"].startswith("2.") and t["host.cpu"] and t["git_commit"]
+    assert len(t["point_hash"]) == 16
+    for key in ("fid/kl_mean", "fid/top1_agree", "lat/ttft_ms_p50", "lat/prefill_ms_p50",
+                "lat/tpot_ms_p50", "lat/tpot_ms_p99", "tput/decode_tok_s", "mem/peak_rss_mb",
+                "size/weight_bytes"):
+        assert key in m, key
+    assert m["lat/tpot_ms_count"] == 2 * 15  # repeats x (new_tokens - 1)
+    assert m["lat/ttft_ms_p50"] >= m["lat/prefill_ms_p50"]
+    artifacts = {a.path for a in client.list_artifacts(child.info.run_id)}
+    assert "config.yaml" in artifacts
+
+
+def test_fidelity_exact_for_fp32_small_for_half(smoke_sweep):
+    _, _, runs = smoke_sweep
+    m = {r.info.run_name: r.data.metrics for r in runs}
+    assert m["fp32@cpu"]["fid/kl_mean"] == 0.0 and m["fp32@cpu"]["fid/top1_agree"] == 1.0
+    for half in ("bf16@cpu", "fp16@cpu"):
+        assert 0.0 < m[half]["fid/kl_mean"] < 1e-2
+    # bf16 has 8 mantissa bits, fp16 11: bf16 must be further from fp32.
+    assert m["bf16@cpu"]["fid/kl_mean"] > m["fp16@cpu"]["fid/kl_mean"]
+    assert m["fp32@cpu"]["size/weight_bytes"] == 2 * m["bf16@cpu"]["size/weight_bytes"]
+
+
+def test_summary_table_printed_and_logged(smoke_sweep):
+    proc, client, runs = smoke_sweep
+    assert "| fp32@cpu" in proc.stdout and "TPOT p50 ms" in proc.stdout
+    parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
+    assert "summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+
+
+def test_unknown_scheme_is_one_line_listing_valid_names(tmp_path):
+    proc = run_cli(["scheme/weights=int3", "model=tiny", f"tracking.uri=sqlite:///{tmp_path}/m.db"])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["quantlab: unknown scheme/weights 'int3'; valid: bf16, fp16, fp32"] or \
+        lines[-1].startswith("quantlab: unknown scheme/weights 'int3'; valid: ")
+    assert "bf16" in lines[-1] and "fp32" in lines[-1]
+    assert not (tmp_path / "m.db").exists()  # nothing was started
+
+
+def test_unknown_model_is_one_line(tmp_path):
+    proc = run_cli(["model=llama-9000"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("quantlab: unknown model 'llama-9000'; valid: ")
+    assert "smollm2-135m" in proc.stderr and "tiny" in proc.stderr
+
+
+def test_unavailable_target_is_skipped_with_reason(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    uri = f"sqlite:///{tmp_path}/m.db"
+    proc = run_cli(["-m", "model=tiny", "target=cuda", f"tracking.uri={uri}",
+                    f"tracking.artifact_root={tmp_path}/art"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id],
+                              filter_string="tags.`quantlab.outcome` = 'skipped'")
+    assert len(runs) == 1 and "no CUDA device" in runs[0].data.tags[tracking.REASON_TAG]
+    assert "size/weight_bytes" not in runs[0].data.metrics  # nothing was loaded
