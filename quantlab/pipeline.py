@@ -120,8 +120,10 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
         ref = fidelity.reference(key, ids, cfg.cache_dir,
                                  lambda: models.load(cfg.model, cfg.cache_dir, ref_dtype)[0])
 
+    n_params = size.count_params(model)
     log.info("[%s] applying %s (%s)", name, weights.short_name(), verdict.status)
-    ctx = ApplyContext(hw=target.hardware(), tokenizer=tok, cache_dir=cfg.cache_dir)
+    ctx = ApplyContext(hw=target.hardware(), tokenizer=tok, cache_dir=cfg.cache_dir,
+                       data_dir=cfg.data_dir, seed=cfg.seed)
     applied_w = weights_handler(weights).apply(model, weights, ctx)
     applied_kv = kv_handler(kv).apply(model, kv, ctx)
     emulated = applied_w.emulated or applied_kv.emulated
@@ -133,7 +135,7 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
         "backend.kv": applied_kv.backend,
         **applied_w.extra_tags,
     })
-    metrics = size.weight_stats(model)
+    metrics = size.weight_stats(model, n_params)
     runnable = target.compile(model)
 
     if ref is not None:

@@ -119,10 +119,10 @@ def test_prompt_too_short_is_an_error(tiny):
 
 def test_weight_bytes_by_dtype(tiny):
     model, _ = tiny
-    fp32 = size.weight_stats(model)
-    n = sum(p.numel() for p in model.parameters())
+    n = size.count_params(model)
+    fp32 = size.weight_stats(model, n)
     assert fp32["size/params"] == n and fp32["size/bits_per_weight"] == pytest.approx(32.0, rel=1e-3)
-    half = size.weight_stats(models.tiny_model(ModelConfig(name="t", source="tiny"), torch.bfloat16))
+    half = size.weight_stats(models.tiny_model(ModelConfig(name="t", source="tiny"), torch.bfloat16), n)
     assert half["size/bits_per_weight"] == pytest.approx(16.0, rel=1e-3)
 
 

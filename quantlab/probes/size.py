@@ -14,19 +14,29 @@ def tensor_bytes(t: torch.Tensor) -> int:
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         return sum(tensor_bytes(getattr(t, n)) for n in names)
-    return t.numel() * t.element_size()
+    state = getattr(t, "quant_state", None)  # bitsandbytes Params4bit: absmax per block
+    extra = 0
+    if state is not None:
+        extra = tensor_bytes(state.absmax)
+        if state.nested:
+            extra += tensor_bytes(state.state2.absmax) + tensor_bytes(state.offset)
+    return t.numel() * t.element_size() + extra
 
 
-def weight_stats(model: torch.nn.Module) -> dict[str, float]:
-    """Total parameter bytes and bits per weight (shared tensors counted once)."""
+def count_params(model: torch.nn.Module) -> int:
+    """Logical number of weights (shared tensors once); call before quantizing,
+    since packed storage changes ``numel``."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def weight_stats(model: torch.nn.Module, n_params: int) -> dict[str, float]:
+    """Bytes of parameters and buffers as stored, and bits per logical weight."""
     total_bytes = 0
-    total_numel = 0
+    total_numel = n_params
     for p in model.parameters():
         total_bytes += tensor_bytes(p)
-        total_numel += p.numel()
     for b in model.buffers():
-        if b.is_floating_point() or b.dtype in (torch.int8, torch.uint8, torch.int32):
-            total_bytes += tensor_bytes(b)
+        total_bytes += tensor_bytes(b)
     return {
         "size/weight_bytes": float(total_bytes),
         "size/weight_mb": total_bytes / 2**20,

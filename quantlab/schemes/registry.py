@@ -20,6 +20,11 @@ from quantlab.hardware import Hardware
 
 _MODULES = (
     "quantlab.schemes.float",
+    "quantlab.schemes.int8",
+    "quantlab.schemes.int4",
+    "quantlab.schemes.fp8",
+    "quantlab.schemes.bnb4",
+    "quantlab.schemes.gptq",
     "quantlab.schemes.kv",
 )
 
@@ -40,8 +45,9 @@ class ApplyContext:
 
     hw: Hardware
     tokenizer: Any = None
-    calibration: Callable[[], list[torch.Tensor]] | None = None
-    cache_dir: str | None = None
+    cache_dir: str = "~/.cache/quantlab"
+    data_dir: str | None = None
+    seed: int = 0
 
 
 @dataclass

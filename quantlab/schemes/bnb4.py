@@ -1,0 +1,59 @@
+"""NF4 / FP4 blockwise 4-bit weights through bitsandbytes (CPU and CUDA backends)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from quantlab.config import WeightScheme
+from quantlab.hardware import Hardware
+from quantlab.schemes import layers
+from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+
+QUANT_TYPES = ("nf4", "fp4")
+
+
+@dataclass
+class BnB4Scheme(WeightScheme):
+    quant_type: str = "nf4"
+    block_size: int = 64
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.quant_type not in QUANT_TYPES:
+            raise ValueError(f"bnb quant_type {self.quant_type!r}; valid: {', '.join(QUANT_TYPES)}")
+
+    def short_name(self) -> str:
+        return self.quant_type if self.block_size == 64 else f"{self.quant_type}-b{self.block_size}"
+
+
+def support(cfg: BnB4Scheme, hw: Hardware) -> Support:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return Support("unsupported", "bitsandbytes is not installed (pip install bitsandbytes)")
+    if hw.device in ("cpu", "cuda"):
+        return Support("real")
+    return Support("unsupported", f"bitsandbytes on {hw.device}")
+
+
+def apply(model: torch.nn.Module, cfg: BnB4Scheme, ctx: ApplyContext) -> Applied:
+    import bitsandbytes as bnb
+
+    dtype = getattr(torch, cfg.compute_dtype)
+    device = "cuda" if ctx.hw.device == "cuda" else "cpu"
+    for name, lin in layers.select(model, cfg.skip):
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                              compute_dtype=dtype, quant_type=cfg.quant_type,
+                              quant_storage=torch.uint8)
+        q.weight = bnb.nn.Params4bit(lin.weight.detach().float(), requires_grad=False,
+                                     quant_type=cfg.quant_type, blocksize=cfg.block_size)
+        if lin.bias is not None:
+            q.bias = torch.nn.Parameter(lin.bias.detach().to(dtype), requires_grad=False)
+        layers.replace(model, name, q.to(device).eval())  # .to() quantizes
+    layers.cast_parameters_except(model, dtype, bnb.nn.Params4bit)
+    return Applied(backend=f"bitsandbytes-{bnb.__version__}", emulated=False)
+
+
+register_weights("bnb4", BnB4Scheme, support, apply)

@@ -1,0 +1,73 @@
+"""FP8 (E4M3 / E5M2) weights, optionally W8A8 with dynamic per-token activation scales.
+
+Real FP8 GEMMs need FP8 tensor cores (CUDA SM >= 8.9) and FP8 activations
+(``activations=dynamic``, torchao + ``torch._scaled_mm``). Everything else is
+emulated: FP8 storage, dequantized to the compute dtype per call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from quantlab.config import WeightScheme
+from quantlab.hardware import Hardware
+from quantlab.schemes import layers
+from quantlab.schemes.qlinear import FP8Linear
+from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+ACTIVATIONS = ("none", "dynamic")
+
+
+@dataclass
+class FP8Scheme(WeightScheme):
+    format: str = "e4m3"
+    activations: str = "none"  # none: weight-only; dynamic: W8A8, per-token scales
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"fp8 format {self.format!r}; valid: {', '.join(FORMATS)}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"fp8 activations {self.activations!r}; valid: {', '.join(ACTIVATIONS)}")
+
+    def short_name(self) -> str:
+        return f"fp8-{self.format}{'-w8a8' if self.activations == 'dynamic' else ''}"
+
+
+def _fp8_tensor_cores(hw: Hardware) -> bool:
+    return hw.device == "cuda" and hw.cuda_capability is not None and hw.cuda_capability >= (8, 9)
+
+
+def support(cfg: FP8Scheme, hw: Hardware) -> Support:
+    if cfg.activations == "dynamic" and _fp8_tensor_cores(hw):
+        if cfg.format != "e4m3":
+            return Support("unsupported", "W8A8 uses e4m3 (torchao Float8DynamicActivationFloat8WeightConfig)")
+        return Support("real")
+    if hw.device in ("cpu", "cuda"):
+        why = "no FP8 GEMM on this device" if not _fp8_tensor_cores(hw) else "weight-only FP8 has no fused kernel"
+        return Support("emulated", f"{why}: FP8 storage, dequantized to {cfg.compute_dtype} per matmul")
+    return Support("unsupported", f"fp8 on {hw.device}")
+
+
+def apply(model: torch.nn.Module, cfg: FP8Scheme, ctx: ApplyContext) -> Applied:
+    dtype = getattr(torch, cfg.compute_dtype)
+    linears = layers.select(model, cfg.skip)
+    if support(cfg, ctx.hw).status == "real":
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        names = {n for n, _ in linears}
+        model.to(device="cuda", dtype=dtype)
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+                  filter_fn=lambda m, fqn: fqn in names)
+        return Applied(backend="torchao.Float8DynamicActivationFloat8WeightConfig", emulated=False)
+    for name, lin in linears:
+        layers.replace(model, name, FP8Linear(lin.weight, lin.bias, FORMATS[cfg.format], dtype,
+                                              quantize_activations=cfg.activations == "dynamic"))
+    layers.cast_parameters(model, dtype)
+    return Applied(backend="quantlab.FP8Linear(dequant)", emulated=True)
+
+
+register_weights("fp8", FP8Scheme, support, apply)

@@ -1,0 +1,128 @@
+"""GPTQ INT4, calibrated, run sequentially decoder layer by decoder layer.
+
+Each decoder layer sees the outputs of the already-quantized layers before it
+(as in the GPTQ paper); inside a layer, every Linear's Hessian comes from the
+float layer's own inputs. The result is packed into the same ``Int4Linear``
+(tinygemm kernel) that RTN uses, so GPTQ and RTN points differ only in which
+integers they chose.
+
+Why not GPTQModel: 7.6.0 is a source build with C++ extensions that pins
+numpy==2.2.6 and pulls datasets/pyarrow/maturin; torchao's prototype GPTQ
+asserts CUDA. The solver is ~60 lines (``gptq_solver.py``) and tested against RTN.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from quantlab import calibration
+from quantlab.config import WeightScheme
+from quantlab.hardware import Hardware
+from quantlab.schemes import layers
+from quantlab.schemes.gptq_solver import HessianAccumulator, gptq_int4
+from quantlab.schemes.qlinear import Int4Linear
+from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+
+log = logging.getLogger("quantlab")
+
+
+@dataclass
+class GPTQScheme(WeightScheme):
+    bits: int = 4
+    group_size: int = 64
+    symmetric: bool = False
+    act_order: bool = False
+    damp: float = 0.01
+    calibration: str = "wiki"
+    n_samples: int = 64
+    seq_len: int = 512
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.bits not in (3, 4, 8):
+            raise ValueError(f"gptq bits {self.bits}; valid: 3, 4, 8")
+
+    def short_name(self) -> str:
+        return f"gptq{self.bits}-g{self.group_size}{'-sym' if self.symmetric else ''}{'-ao' if self.act_order else ''}"
+
+
+def support(cfg: GPTQScheme, hw: Hardware) -> Support:
+    if cfg.bits != 4:
+        return Support("unsupported", f"no {cfg.bits}-bit groupwise kernel wired in quantlab yet (4-bit only)")
+    if hw.device == "cpu":
+        return Support("real")
+    return Support("unsupported", f"GPTQ int4 packing is CPU-only (tinygemm CPU layout); not {hw.device}")
+
+
+class _Stop(Exception):
+    """Raised by the hook that captures the first decoder layer's inputs."""
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers_ = getattr(inner, "layers", None)
+    if not isinstance(layers_, nn.ModuleList):
+        raise ValueError(f"GPTQ: {type(model).__name__} has no model.layers ModuleList")
+    return layers_
+
+
+def _first_layer_inputs(model, decoder, ids: torch.Tensor):
+    """Hidden states and kwargs (rotary embeddings, masks) entering layer 0, per sample."""
+    captured = []
+
+    def hook(_mod, args, kwargs):
+        captured.append((args[0] if args else kwargs.pop("hidden_states"), kwargs))
+        raise _Stop
+
+    handle = decoder[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for row in ids:
+            try:
+                model(input_ids=row[None], use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return captured
+
+
+def _run_layer(layer, hidden, kwargs):
+    out = layer(hidden, **{k: v for k, v in kwargs.items() if k != "hidden_states"})
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.inference_mode()
+def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
+    dtype = getattr(torch, cfg.compute_dtype)
+    selected = dict(layers.select(model, cfg.skip))
+    layers.check_group_size(list(selected.items()), cfg.group_size, cfg.short_name())
+    ids = calibration.load(cfg.calibration, ctx.tokenizer, cfg.n_samples, cfg.seq_len,
+                           ctx.seed, ctx.data_dir, ctx.cache_dir)
+    decoder = _decoder_layers(model)
+    states = _first_layer_inputs(model, decoder, ids)
+    prefix = {id(m): n for n, m in model.named_modules()}
+    for li, layer in enumerate(decoder):
+        linears = {n: m for n, m in layer.named_modules()
+                   if isinstance(m, nn.Linear) and f"{prefix[id(layer)]}.{n}" in selected}
+        accs = {n: HessianAccumulator(m.in_features) for n, m in linears.items()}
+        hooks = [m.register_forward_hook(lambda mod, a, o, acc=accs[n]: acc.add(a[0]))
+                 for n, m in linears.items()]
+        for hidden, kw in states:
+            _run_layer(layer, hidden, kw)
+        for h in hooks:
+            h.remove()
+        for n, m in linears.items():
+            q, scale, zero = gptq_int4(m.weight.float(), accs[n].value(), cfg.group_size,
+                                       cfg.symmetric, cfg.damp, cfg.act_order)
+            layers.replace(layer, n, Int4Linear(q, scale, zero, cfg.group_size, m.bias, dtype))
+        states = [(_run_layer(layer, hidden, kw), kw) for hidden, kw in states]
+        log.info("gptq: layer %d/%d quantized (%d linears)", li + 1, len(decoder), len(linears))
+    layers.cast_parameters(model, dtype)
+    return Applied(backend="quantlab.gptq+aten._weight_int4pack_mm_for_cpu", emulated=False)
+
+
+register_weights("gptq", GPTQScheme, support, apply)

@@ -1,0 +1,60 @@
+"""INT4 blockwise round-to-nearest: group size 32/64/128, symmetric or asymmetric."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from quantlab.config import WeightScheme
+from quantlab.hardware import Hardware
+from quantlab.schemes import layers
+from quantlab.schemes.qlinear import Int4Linear
+from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass
+class Int4Scheme(WeightScheme):
+    group_size: int = 64
+    symmetric: bool = False
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
+
+    def short_name(self) -> str:
+        return f"int4-g{self.group_size}{'-sym' if self.symmetric else ''}"
+
+
+def support(cfg: Int4Scheme, hw: Hardware) -> Support:
+    if hw.device == "cpu":
+        return Support("real")
+    if hw.device == "cuda":
+        if cfg.symmetric:
+            return Support("unsupported", "torchao's CUDA int4 kernel takes asymmetric (zero-point) groups only")
+        return Support("real")
+    return Support("unsupported", f"int4 on {hw.device}")
+
+
+def apply(model: torch.nn.Module, cfg: Int4Scheme, ctx: ApplyContext) -> Applied:
+    dtype = getattr(torch, cfg.compute_dtype)
+    linears = layers.select(model, cfg.skip)
+    layers.check_group_size(linears, cfg.group_size, cfg.short_name())
+    if ctx.hw.device == "cuda":
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+        names = {n for n, _ in linears}
+        model.to(device="cuda", dtype=dtype)
+        config = Int4WeightOnlyConfig(group_size=cfg.group_size, int4_packing_format="tile_packed_to_4d")
+        quantize_(model, config, filter_fn=lambda m, fqn: fqn in names)
+        return Applied(backend="torchao.Int4WeightOnlyConfig", emulated=False)
+    for name, lin in linears:
+        layers.replace(model, name, Int4Linear.from_linear(lin, cfg.group_size, cfg.symmetric, dtype))
+    layers.cast_parameters(model, dtype)
+    return Applied(backend="aten._weight_int4pack_mm_for_cpu", emulated=False)
+
+
+register_weights("int4", Int4Scheme, support, apply)

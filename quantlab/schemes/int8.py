@@ -1,0 +1,48 @@
+"""INT8 weight-only, per-output-channel symmetric (round to nearest)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from quantlab.config import WeightScheme
+from quantlab.hardware import Hardware
+from quantlab.schemes import layers
+from quantlab.schemes.qlinear import Int8Linear
+from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+
+
+@dataclass
+class Int8Scheme(WeightScheme):
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
+
+    def short_name(self) -> str:
+        return "int8"
+
+
+def support(cfg: Int8Scheme, hw: Hardware) -> Support:
+    if hw.device == "cpu":
+        return Support("real")
+    if hw.device == "cuda":
+        return Support("real", "torchao Int8WeightOnlyConfig; fused only under target.compile=true")
+    return Support("unsupported", f"int8 on {hw.device}")
+
+
+def apply(model: torch.nn.Module, cfg: Int8Scheme, ctx: ApplyContext) -> Applied:
+    dtype = getattr(torch, cfg.compute_dtype)
+    linears = layers.select(model, cfg.skip)
+    if ctx.hw.device == "cuda":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        names = {n for n, _ in linears}
+        model.to(device="cuda", dtype=dtype)
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in names)
+        return Applied(backend="torchao.Int8WeightOnlyConfig", emulated=False)
+    for name, lin in linears:
+        layers.replace(model, name, Int8Linear.from_linear(lin, dtype))
+    layers.cast_parameters(model, dtype)
+    return Applied(backend="aten._weight_int8pack_mm", emulated=False)
+
+
+register_weights("int8", Int8Scheme, support, apply)

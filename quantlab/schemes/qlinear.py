@@ -1,0 +1,155 @@
+"""Quantized replacements for ``nn.Linear`` and the round-to-nearest math.
+
+Each module holds its weight in the packed form a real kernel reads, and its
+``forward`` calls that kernel:
+
+* ``Int8Linear``: int8 ``[N, K]`` + per-output-channel scale, ATen's
+  ``_weight_int8pack_mm`` (CPU). torchao's eager int8 weight-only path
+  dequantizes on every call (measured ~2x slower than this kernel here).
+* ``Int4Linear``: int4 packed two per byte + per-group scale/zero in the
+  "tinygemm" layout, ATen's ``_weight_int4pack_mm_for_cpu`` (the kernel torchao's
+  ``Int4OpaqueTensor`` uses); symmetric and asymmetric both map onto it.
+* ``FP8Linear``: float8 storage + per-channel scale, dequantized to the compute
+  dtype inside ``forward``. That is an *emulation* (no FP8 GEMM on CPU):
+  storage is real, latency is not that of an FP8 kernel.
+
+``dequantize()`` returns the float weight each module computes with, for
+numerics tests and export.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rtn_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: ``w ~= q * scale[:, None]``, q in [-127, 127]."""
+    scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int4_qparams(g: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and offset of int4 groups along the last dim, so that a weight is
+    stored as ``q in [0, 15]`` and read back as ``q * scale + offset``.
+    Symmetric: levels -8..7 around 0, scale = amax / 7. Asymmetric: the
+    group's [min, max] spread over the 16 levels."""
+    if symmetric:
+        scale = g.abs().amax(-1).clamp_min(1e-8) / 7.0
+        return scale, -8.0 * scale
+    lo, hi = g.amin(-1), g.amax(-1)
+    return ((hi - lo) / 15.0).clamp_min(1e-8), lo
+
+
+def int4_quantize(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Nearest level in [0, 15] for ``w`` given broadcastable ``scale``/``offset``."""
+    return torch.round((w - offset) / scale).clamp(0, 15)
+
+
+def rtn_int4(w: torch.Tensor, group_size: int, symmetric: bool):
+    """Groupwise round-to-nearest int4 along K. Returns ``q`` (int32 in [0, 15]),
+    ``scale`` and ``zero`` ``[N, K // group]`` in the tinygemm convention
+    ``w ~= (q - 8) * scale + zero``."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    scale, offset = int4_qparams(g, symmetric)
+    q = int4_quantize(g, scale[..., None], offset[..., None])
+    return q.reshape(n, k).to(torch.int32), scale, offset + 8 * scale
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 compute_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.compute_dtype = compute_dtype
+        self.register_buffer("qweight", q.contiguous())  # [N, K] int8
+        self.register_buffer("scale", scale.to(compute_dtype))  # [N]
+        self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype) -> "Int8Linear":
+        q, scale = rtn_int8(linear.weight.detach().float())
+        return cls(q, scale, linear.bias, compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.compute_dtype),
+                                      self.qweight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale.float()[:, None]
+
+
+class Int4Linear(nn.Module):
+    _N_ALIGN = 16  # the CPU packing kernel needs N % 16 == 0; pad and slice
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None, compute_dtype: torch.dtype):
+        super().__init__()
+        n, k = q.shape
+        self.in_features, self.out_features = k, n
+        self.group_size, self.compute_dtype = group_size, compute_dtype
+        pad = (-n) % self._N_ALIGN
+        if pad:
+            q = F.pad(q, (0, 0, 0, pad), value=8)
+            scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        self.register_buffer("packed", packed)  # [N, K/2] uint8, two nibbles per byte
+        self.register_buffer("scales_and_zeros", sz.to(compute_dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int, symmetric: bool,
+                    compute_dtype: torch.dtype) -> "Int4Linear":
+        q, scale, zero = rtn_int4(linear.weight.detach().float(), group_size, symmetric)
+        return cls(q, scale, zero, group_size, linear.bias, compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]).to(self.compute_dtype).contiguous(),
+            self.packed, self.group_size, self.scales_and_zeros)
+        y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, read back through the kernel itself."""
+        eye = torch.eye(self.in_features, dtype=self.compute_dtype)
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, self.packed, self.group_size, self.scales_and_zeros)
+        return w_t[:, : self.out_features].T.float()
+
+
+class FP8Linear(nn.Module):
+    """FP8 weight storage, per-output-channel scale; emulated GEMM (see module doc)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fp8_dtype: torch.dtype,
+                 compute_dtype: torch.dtype, quantize_activations: bool = False):
+        super().__init__()
+        self.act_dtype = fp8_dtype if quantize_activations else None
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.compute_dtype = compute_dtype
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / torch.finfo(fp8_dtype).max
+        self.register_buffer("weight_fp8", (w / scale[:, None]).to(fp8_dtype))
+        self.register_buffer("scale", scale)  # [N] fp32
+        self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype, x = x.dtype, x.to(self.compute_dtype)
+        if self.act_dtype is not None:  # W8A8: per-token dynamic scale, round-trip through FP8
+            s = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / torch.finfo(self.act_dtype).max
+            x = ((x.float() / s).to(self.act_dtype).float() * s).to(self.compute_dtype)
+        w = self.weight_fp8.to(self.compute_dtype) * self.scale.to(self.compute_dtype)[:, None]
+        return F.linear(x, w, self.bias).to(in_dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight_fp8.float() * self.scale[:, None]
