@@ -16,6 +16,7 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from quantlab.config import register_configs
 from quantlab.errors import UserError
@@ -61,7 +62,15 @@ def _check_sweep_file(path: Path) -> list[str]:
 def _main(cfg: DictConfig) -> None:
     from quantlab.pipeline import run_point
 
-    run_cfg = OmegaConf.to_object(cfg)
+    try:
+        run_cfg = OmegaConf.to_object(cfg)
+    except (ValueError, OmegaConfBaseException) as e:
+        msg = f"quantlab: invalid config: {str(e).splitlines()[0]}"
+        if _in_multirun():  # the other points of the sweep still run
+            log.error(msg)
+            return
+        print(msg, file=sys.stderr)
+        sys.exit(2)
     try:
         result = run_point(run_cfg)
     except UserError as e:  # store unusable: nothing was run

@@ -151,6 +151,8 @@ class RunConfig:
     cache_dir: str = "~/.cache/quantlab"
     data_dir: Optional[str] = None
     sweep_name: str = "adhoc"
+    force: bool = False  # re-run points that already have a finished run
+    isolation: str = "none"  # none | process: each point in a fresh process
 
 
 def register_configs() -> None:

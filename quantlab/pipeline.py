@@ -13,7 +13,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
+import signal
 import traceback
 from dataclasses import dataclass
 
@@ -29,13 +31,15 @@ from quantlab.schemes.registry import ApplyContext, kv_handler, weights_handler
 log = logging.getLogger("quantlab")
 
 PARENT_ENV = "QUANTLAB_PARENT_RUN_ID"
+REUSED_TAG = "quantlab.reused"
+ISOLATION = ("none", "process")
 
 
 @dataclass
 class PointResult:
     run_id: str
     name: str
-    outcome: str  # finished | skipped | failed
+    outcome: str  # finished | skipped | failed | reused
     reason: str = ""
 
 
@@ -80,13 +84,35 @@ def base_tags(cfg: RunConfig) -> dict[str, str]:
 
 
 def run_point(cfg: RunConfig) -> PointResult:
-    """Run and log one point. Never raises for a point-level failure."""
+    """Run and log one point. Never raises for a point-level failure.
+
+    A point whose identical config (``point_hash``) already has a finished run
+    is not run again unless ``cfg.force``; runs left RUNNING by a dead process
+    are marked KILLED first, so they are redone.
+    """
+    if cfg.isolation not in ISOLATION:
+        raise UserError(f"unknown isolation {cfg.isolation!r}; valid: {', '.join(ISOLATION)}")
     client, exp_id = tracking.connect(cfg.tracking)
-    name = run_name(cfg)
-    params = tracking.flatten(config_dict(cfg))
-    run_id = tracking.start_run(client, exp_id, name, base_tags(cfg),
-                                parent_id=os.environ.get(PARENT_ENV), params=params)
+    name, phash = run_name(cfg), point_hash(cfg)
+    parent = os.environ.get(PARENT_ENV)
+    for dead in tracking.reap_dead(client, exp_id):
+        log.warning("run %s was left RUNNING by a dead process: marked KILLED", dead)
+    if not cfg.force and (done := tracking.find_finished(client, exp_id, phash)):
+        log.info("[%s] already finished as run %s: reused (force=true re-runs)", name, done.info.run_id)
+        if parent:
+            tracking.set_tags(client, parent, {f"{REUSED_TAG}.{phash}": done.info.run_id})
+        return PointResult(done.info.run_id, name, "reused")
+    run_id = tracking.start_run(client, exp_id, name, base_tags(cfg), parent_id=parent,
+                                params=tracking.flatten(config_dict(cfg)))
     tracking.log_text(client, run_id, yaml.safe_dump(config_dict(cfg), sort_keys=False), "config.yaml")
+    if cfg.isolation == "process":
+        return _run_in_subprocess(cfg, run_id, name, client)
+    return _execute(cfg, run_id, name, client)
+
+
+def _execute(cfg: RunConfig, run_id: str, name: str, client=None) -> PointResult:
+    """Measure and close the run, turning any exception into a FAILED run."""
+    client = client or tracking.connect(cfg.tracking)[0]
     try:
         outcome, reason = _measure(cfg, name, client, run_id)
     except (UserError, ValueError) as e:
@@ -98,6 +124,30 @@ def run_point(cfg: RunConfig) -> PointResult:
         log.error("[%s] failed: %s (traceback logged to the run)", name, reason)
     tracking.end(client, run_id, outcome, reason)
     return PointResult(run_id, name, outcome, reason)
+
+
+def _child(cfg: RunConfig, run_id: str, name: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    _execute(cfg, run_id, name)
+
+
+def _run_in_subprocess(cfg: RunConfig, run_id: str, name: str, client) -> PointResult:
+    """Run the point in a fresh (spawned) process: clean memory figures, no
+    compiled graphs leaking between points, and a crash (OOM kill, segfault)
+    ends only that point's run."""
+    proc = multiprocessing.get_context("spawn").Process(target=_child, args=(cfg, run_id, name))
+    proc.start()
+    proc.join()
+    run = client.get_run(run_id)
+    if run.info.status == "RUNNING":
+        code = proc.exitcode
+        why = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exit status {code}"
+        reason = f"point process died ({why}; out of memory?)"
+        log.error("[%s] failed: %s", name, reason)
+        tracking.end(client, run_id, "failed", reason)
+        return PointResult(run_id, name, "failed", reason)
+    outcome = run.data.tags.get(tracking.OUTCOME_TAG, "failed")
+    return PointResult(run_id, name, outcome, run.data.tags.get(tracking.REASON_TAG, ""))
 
 
 def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:

@@ -20,19 +20,22 @@ COLUMNS = (
 )
 
 
-def _cell(run, key: str, fmt: str) -> str:
+def _cell(run, key: str, fmt: str, reused: bool) -> str:
     if key == "name":
         return run.info.run_name
+    if key == "tag:" + tracking.OUTCOME_TAG and reused:
+        return "reused"
     if key.startswith("tag:"):
         return run.data.tags.get(key[4:], "-")
     value = run.data.metrics.get(key)
     return "-" if value is None else fmt.format(value)
 
 
-def table(runs) -> str:
-    """Markdown table, one row per run; missing values are ``-``, never 0."""
+def table(runs, reused: set[str] = frozenset()) -> str:
+    """Markdown table, one row per run; missing values are ``-``, never 0.
+    Runs in ``reused`` were finished by an earlier sweep and shown as such."""
     rows = [[h for h, _, _ in COLUMNS]]
-    rows += [[_cell(r, k, f) for _, k, f in COLUMNS] for r in runs]
+    rows += [[_cell(r, k, f, r.info.run_id in reused) for _, k, f in COLUMNS] for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

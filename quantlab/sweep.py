@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from quantlab import report, tracking
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
-from quantlab.pipeline import PARENT_ENV
+from quantlab.pipeline import PARENT_ENV, REUSED_TAG
 
 log = logging.getLogger("quantlab")
 
@@ -51,12 +51,15 @@ class SweepCallback(Callback):
             return
         client, exp_id = tracking.connect(_tracking_cfg(config))
         runs = tracking.children(client, exp_id, parent)
-        text = report.table(runs)
+        tags = client.get_run(parent).data.tags
+        reused = [client.get_run(v) for k, v in tags.items() if k.startswith(REUSED_TAG + ".")]
+        text = report.table(runs + reused, reused={r.info.run_id for r in reused})
         print("\n" + text + "\n", flush=True)
         tracking.log_text(client, parent, text + "\n", "summary.md")
         failed = [r for r in runs if r.data.tags.get(tracking.OUTCOME_TAG) == "failed"]
         counts = {o: sum(r.data.tags.get(tracking.OUTCOME_TAG) == o for r in runs)
                   for o in ("finished", "skipped", "failed")}
+        counts["reused"] = len(reused)
         tracking.log_metrics(client, parent, {f"points_{k}": v for k, v in counts.items()})
         client.set_terminated(parent, "FAILED" if failed else "FINISHED")
         log.info("sweep done: %s", ", ".join(f"{v} {k}" for k, v in counts.items()))

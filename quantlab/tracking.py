@@ -6,10 +6,16 @@ several points (or processes) never fight over a global "active run".
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
+
+import psutil
 
 import mlflow
 from mlflow.entities import Metric, Param, RunTag
@@ -19,13 +25,41 @@ from mlflow.utils.time import get_current_time_millis
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
 
+log = logging.getLogger("quantlab")
+T = TypeVar("T")
+
 PARENT_TAG = "mlflow.parentRunId"
 SWEEP_TAG = "quantlab.sweep"
 OUTCOME_TAG = "quantlab.outcome"  # finished | skipped | failed
 REASON_TAG = "quantlab.reason"
+HASH_TAG = "point_hash"
+HOST_TAG, PID_TAG, PID_START_TAG = "quantlab.host", "quantlab.pid", "quantlab.pid_start"
 _BATCH = 100  # MLflow's log_batch limit on params per call
+_LOCKED = ("database is locked", "database table is locked")
 
 
+def retry(fn: Callable[..., T]) -> Callable[..., T]:
+    """Retry on SQLite writer contention (parallel workers on one .db file),
+    with exponential backoff up to ~30 s; any other error passes through."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        delay = 0.05
+        for attempt in range(12):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - filtered on the message below
+                if attempt == 11 or not any(s in str(e) for s in _LOCKED):
+                    raise
+                log.debug("tracking store locked, retrying in %.2fs", delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+@retry
 def connect(cfg: TrackingConfig) -> tuple[MlflowClient, str]:
     """Client and experiment id; creates the local store/experiment if needed.
 
@@ -63,9 +97,14 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+@retry
 def start_run(client: MlflowClient, experiment_id: str, name: str, tags: dict[str, str],
               parent_id: str | None = None, params: dict[str, str] | None = None) -> str:
-    tags = dict(tags)
+    """Create a RUNNING run owned by this process (host/pid tags let a later
+    sweep recognise it as dead after a kill -9)."""
+    me = psutil.Process()
+    tags = {**tags, HOST_TAG: socket.gethostname(), PID_TAG: str(me.pid),
+            PID_START_TAG: f"{me.create_time():.3f}"}
     if parent_id:
         tags[PARENT_TAG] = parent_id
     run = client.create_run(experiment_id, run_name=name, tags=tags)
@@ -75,6 +114,7 @@ def start_run(client: MlflowClient, experiment_id: str, name: str, tags: dict[st
     return run.info.run_id
 
 
+@retry
 def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float]) -> None:
     now = get_current_time_millis()
     items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
@@ -82,10 +122,12 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float]) ->
         client.log_batch(run_id, metrics=items[i:i + 1000])
 
 
+@retry
 def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
     client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
+@retry
 def log_text(client: MlflowClient, run_id: str, text: str, name: str) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / name
@@ -93,6 +135,7 @@ def log_text(client: MlflowClient, run_id: str, text: str, name: str) -> None:
         client.log_artifact(run_id, str(path))
 
 
+@retry
 def end(client: MlflowClient, run_id: str, outcome: str, reason: str = "") -> None:
     """Close a run. ``skipped`` is FINISHED with the outcome tag (nothing broke)."""
     tags = {OUTCOME_TAG: outcome}
@@ -102,11 +145,49 @@ def end(client: MlflowClient, run_id: str, outcome: str, reason: str = "") -> No
     client.set_terminated(run_id, "FAILED" if outcome == "failed" else "FINISHED")
 
 
+@retry
 def children(client: MlflowClient, experiment_id: str, parent_id: str) -> list:
     runs = client.search_runs(
         [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'", max_results=5000
     )
     return sorted(runs, key=lambda r: r.info.start_time)
+
+
+@retry
+def find_finished(client: MlflowClient, experiment_id: str, point_hash: str):
+    """The newest successfully finished run of this point, or None."""
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=(f"tags.`{HASH_TAG}` = '{point_hash}' and attributes.status = 'FINISHED' "
+                       f"and tags.`{OUTCOME_TAG}` = 'finished'"),
+        order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
+def _alive(tags: dict[str, str]) -> bool:
+    """Whether the process that owns a RUNNING run still exists. Runs owned by
+    another host are assumed alive (nothing here can tell)."""
+    if tags.get(HOST_TAG) != socket.gethostname() or PID_TAG not in tags:
+        return True
+    try:
+        proc = psutil.Process(int(tags[PID_TAG]))
+        return f"{proc.create_time():.3f}" == tags.get(PID_START_TAG)
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+
+
+@retry
+def reap_dead(client: MlflowClient, experiment_id: str) -> list[str]:
+    """Mark RUNNING runs whose process died (kill -9, OOM killer) as KILLED."""
+    reaped = []
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                  max_results=5000):
+        if not _alive(run.data.tags):
+            set_tags(client, run.info.run_id, {OUTCOME_TAG: "killed",
+                                               REASON_TAG: "owning process died (killed or out of memory)"})
+            client.set_terminated(run.info.run_id, "KILLED")
+            reaped.append(run.info.run_id)
+    return reaped
 
 
 @functools.cache

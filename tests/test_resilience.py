@@ -1,0 +1,143 @@
+"""Sweeps never lose finished work: reuse, kill -9 recovery, failure isolation, bad input."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from quantlab import tracking
+from tests.conftest import REPO, run_cli
+
+
+def _runs(uri: str, status: str | None = None):
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("quantlab")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    runs = [r for r in runs if r.data.tags.get("quantlab.role") != "sweep"]
+    return [r for r in runs if status is None or r.info.status == status]
+
+
+def _store(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    return uri, [f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/art"]
+
+
+SWEEP = ["-m", "model=tiny", "scheme/weights=fp32,bf16,int8"]
+
+
+def test_rerun_reuses_finished_points_and_force_reruns(tmp_path):
+    uri, store = _store(tmp_path)
+    assert run_cli([*SWEEP, *store]).returncode == 0
+    second = run_cli([*SWEEP, *store])
+    assert second.returncode == 0
+    assert second.stdout.count("| reused") == 3
+    assert len(_runs(uri, "FINISHED")) == 3  # nothing re-ran, nothing duplicated
+    assert run_cli([*SWEEP, *store, "force=true"]).returncode == 0
+    assert len(_runs(uri, "FINISHED")) == 6
+
+
+def test_kill_9_then_rerun_gives_exactly_n_finished(tmp_path):
+    uri, store = _store(tmp_path)
+    n = 4
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "quantlab", "-m", "model=tiny", "scheme/weights=fp32,bf16,fp16,int8",
+         "probe.latency.repeats=40", *store], cwd=REPO, env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill once at least one point finished, mid-sweep
+        time.sleep(0.5)
+        try:
+            if len(_runs(uri, "FINISHED")) >= 1 and len(_runs(uri, "RUNNING")) == 1:
+                break
+        except Exception:  # noqa: BLE001 - store not created yet
+            continue
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    k = len(_runs(uri, "FINISHED"))
+    assert 1 <= k < n and len(_runs(uri, "RUNNING")) == 1
+    rerun = run_cli(["-m", "model=tiny", "scheme/weights=fp32,bf16,fp16,int8",
+                     "probe.latency.repeats=40", *store])
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    finished = _runs(uri, "FINISHED")
+    assert len(finished) == n
+    assert len({r.data.tags[tracking.HASH_TAG] for r in finished}) == n  # no duplicates
+    killed = _runs(uri, "KILLED")
+    assert len(killed) == 1 and killed[0].data.tags[tracking.OUTCOME_TAG] == "killed"
+
+
+def test_failing_point_is_isolated_and_sets_exit_status(tmp_path):
+    uri, store = _store(tmp_path)
+    # int4-g128 cannot divide the tiny model's 64-wide layers: that point fails.
+    proc = run_cli(["-m", "model=tiny", "scheme/weights=fp32,int4-g128,bf16", *store])
+    assert proc.returncode == 1
+    runs = {r.info.run_name: r for r in _runs(uri)}
+    assert runs["int4-g128@cpu"].info.status == "FAILED"
+    assert "does not divide" in runs["int4-g128@cpu"].data.tags[tracking.REASON_TAG]
+    assert runs["fp32@cpu"].info.status == runs["bf16@cpu"].info.status == "FINISHED"
+    assert "Skipped or failed:" in proc.stdout
+
+
+def test_unexpected_exception_logs_traceback(tmp_path, monkeypatch):
+    from quantlab import pipeline
+    from tests.conftest import compose_cfg
+
+    uri, store = _store(tmp_path)
+    cfg = compose_cfg(["model=tiny", *store])
+
+    def boom(*a, **k):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(pipeline.latency, "measure", boom)
+    result = pipeline.run_point(cfg)
+    assert result.outcome == "failed" and result.reason == "RuntimeError: injected failure"
+    client = MlflowClient(tracking_uri=uri)
+    assert "traceback.txt" in {a.path for a in client.list_artifacts(result.run_id)}
+    assert client.get_run(result.run_id).info.status == "FAILED"
+
+
+def test_process_isolation_runs_point_in_child(tmp_path):
+    uri, store = _store(tmp_path)
+    proc = run_cli(["model=tiny", "isolation=process", *store])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (run,) = _runs(uri)
+    assert run.info.status == "FINISHED" and "fid/kl_mean" in run.data.metrics
+    assert run.data.tags[tracking.PID_TAG] != str(os.getpid())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["scheme/weights=int3"], "quantlab: unknown scheme/weights 'int3'; valid: "),
+    (["target=tpu"], "quantlab: unknown target 'tpu'; valid: cpu, cuda"),
+    (["model=tiny", "scheme/weights=int4-g64", "scheme.weights.group_size=48"],
+     "quantlab: invalid config: int4 group_size 48; valid: 32, 64, 128, 256"),
+    (["model=tiny", "scheme/weights=gptq-g64", "scheme.weights.bits=5"],
+     "quantlab: invalid config: gptq bits 5; valid: 3, 4, 8"),
+    (["model=gguf", "model.path=/nonexistent/model.gguf"], None),
+    (["tracking.uri=sqlite:////proc/forbidden/mlflow.db"], "quantlab: tracking store sqlite:////proc/forbidden/mlflow.db"),
+])
+def test_bad_input_is_one_line(tmp_path, args, message):
+    uri, store = _store(tmp_path)
+    if not any(a.startswith("tracking.uri") for a in args):
+        args = [*args, *store]
+    proc = run_cli(args)
+    assert proc.returncode in (1, 2)
+    if message is None:  # point-level error: a FAILED run whose reason names the file
+        (run,) = _runs(uri)
+        assert run.data.tags[tracking.REASON_TAG] == "model file not found: /nonexistent/model.gguf"
+        return
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(message), proc.stderr[-1500:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_sweep_file_without_package_header_warns(tmp_path):
+    from quantlab.cli import _check_sweep_file
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hydra:\n  mode: MULTIRUN\n")
+    assert "silently run ONE point" in _check_sweep_file(bad)[0]
