@@ -123,10 +123,33 @@ class FidelityProbeConfig:
 
 
 @dataclass
+class AccuracyProbeConfig:
+    """lm-eval tasks (``*_local`` read the data directory); ``limit`` documents
+    per task drawn with the run's seed, identical for every point."""
+
+    enabled: bool = False
+    tasks: list[str] = field(default_factory=lambda: ["arc_easy_local"])
+    limit: Optional[int] = 100
+    batch_size: int = 8
+    max_length: Optional[int] = 2048
+
+
+@dataclass
+class PerplexityProbeConfig:
+    """Token-level WikiText-2 perplexity over ``window``-token windows."""
+
+    enabled: bool = False
+    window: int = 2048
+    max_windows: Optional[int] = None  # None: the whole test split
+
+
+@dataclass
 class ProbeConfig:
     name: str = MISSING
     latency: LatencyProbeConfig = field(default_factory=LatencyProbeConfig)
     fidelity: FidelityProbeConfig = field(default_factory=FidelityProbeConfig)
+    accuracy: AccuracyProbeConfig = field(default_factory=AccuracyProbeConfig)
+    perplexity: PerplexityProbeConfig = field(default_factory=PerplexityProbeConfig)
 
 
 @dataclass
@@ -151,6 +174,7 @@ class RunConfig:
     cache_dir: str = "~/.cache/quantlab"
     data_dir: Optional[str] = None
     sweep_name: str = "adhoc"
+    recovery_baseline: str = "auto"  # auto: highest-precision point; or a scheme name (bf16)
     force: bool = False  # re-run points that already have a finished run
     isolation: str = "none"  # none | process: each point in a fresh process
 

@@ -25,7 +25,7 @@ import yaml
 from quantlab import hardware, models, targets, tracking
 from quantlab.config import RunConfig
 from quantlab.errors import UserError
-from quantlab.probes import corpus, fidelity, latency, size
+from quantlab.probes import accuracy, corpus, fidelity, latency, perplexity, size
 from quantlab.schemes.registry import ApplyContext, kv_handler, weights_handler
 
 log = logging.getLogger("quantlab")
@@ -191,6 +191,7 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
     if ref is not None:
         log.info("[%s] fidelity probe (%d tokens)", name, ids.shape[1])
         metrics.update(fidelity.compare(ref, fidelity.logprobs(runnable, ids)))
+    metrics.update(_accuracy(cfg, name, runnable, tok, client, run_id))
     if cfg.probe.latency.enabled:
         lat = cfg.probe.latency
         log.info("[%s] latency probe (batch %d, prompt %d, %d new tokens, %d+%d runs)",
@@ -201,6 +202,32 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
     tracking.log_metrics(client, run_id, metrics)
     log.info("[%s] done: %s", name, _headline(metrics))
     return "finished", ""
+
+
+def _accuracy(cfg: RunConfig, name: str, model, tok, client, run_id: str) -> dict[str, float]:
+    """Perplexity and lm-eval; a missing data file costs those metrics only."""
+    out: dict[str, float] = {}
+    ppl = cfg.probe.perplexity
+    if ppl.enabled:
+        try:
+            ids = tok(perplexity.wikitext2_text(cfg.data_dir), add_special_tokens=False, return_tensors="pt")
+            wins = perplexity.windows(ids["input_ids"][0], ppl.window, ppl.max_windows)
+            log.info("[%s] perplexity probe (%d windows of %d tokens)", name, len(wins), ppl.window)
+            out.update(perplexity.token_perplexity(model, wins))
+        except UserError as e:
+            log.warning("[%s] perplexity skipped: %s", name, e)
+            tracking.set_tags(client, run_id, {"probe.perplexity.skipped": str(e)})
+    acc = cfg.probe.accuracy
+    if acc.enabled:
+        try:
+            log.info("[%s] lm-eval %s (limit %s)", name, ",".join(acc.tasks), acc.limit)
+            metrics, results = accuracy.evaluate(model, tok, acc, cfg.data_dir, cfg.cache_dir, cfg.seed)
+            out.update(metrics)
+            tracking.log_text(client, run_id, json.dumps(results, indent=2, default=str), "lm_eval_results.json")
+        except UserError as e:
+            log.warning("[%s] lm-eval skipped: %s", name, e)
+            tracking.set_tags(client, run_id, {"probe.accuracy.skipped": str(e)})
+    return out
 
 
 def _headline(m: dict[str, float]) -> str:

@@ -53,6 +53,9 @@ class SweepCallback(Callback):
         runs = tracking.children(client, exp_id, parent)
         tags = client.get_run(parent).data.tags
         reused = [client.get_run(v) for k, v in tags.items() if k.startswith(REUSED_TAG + ".")]
+        _log_recovery(client, parent, runs + reused, config.get("recovery_baseline", "auto"))
+        runs = tracking.children(client, exp_id, parent)
+        reused = [client.get_run(r.info.run_id) for r in reused]
         text = report.table(runs + reused, reused={r.info.run_id for r in reused})
         print("\n" + text + "\n", flush=True)
         tracking.log_text(client, parent, text + "\n", "summary.md")
@@ -65,3 +68,17 @@ class SweepCallback(Callback):
         log.info("sweep done: %s", ", ".join(f"{v} {k}" for k, v in counts.items()))
         if failed:
             sys.exit(1)
+
+
+def _log_recovery(client, parent: str, runs, choice: str) -> None:
+    """Log ``recovery/*`` on every finished point against the sweep's baseline."""
+    base = report.baseline_run(runs, choice)
+    if base is None:
+        log.warning("no baseline point %r finished: recovery not computed", choice)
+        return
+    tracking.set_tags(client, parent, {"recovery.baseline": base.info.run_name})
+    for r in runs:
+        if r.data.tags.get(tracking.OUTCOME_TAG) == "finished":
+            rec = report.recovery(r.data.metrics, base.data.metrics)
+            if rec:
+                tracking.log_metrics(client, r.info.run_id, rec)

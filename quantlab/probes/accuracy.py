@@ -1,0 +1,165 @@
+"""lm-eval on the in-memory (quantized, compiled-or-eager) model.
+
+Standard harness task names work when the hub is reachable; ``*_local`` tasks
+read the benchmark files under the data directory (see ``evaluation/``). Every
+point of a sweep evaluates the same documents: with ``limit`` set, indices are
+drawn once per task from a seeded RNG and passed to lm-eval as ``samples``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+from pathlib import Path
+
+import torch
+
+from quantlab.config import AccuracyProbeConfig
+from quantlab.errors import UserError
+
+log = logging.getLogger("quantlab")
+
+TEMPLATES = Path(__file__).resolve().parent.parent.parent / "evaluation"
+# task -> (files under data_dir it needs, converter writing <prepared>/<name>.jsonl)
+LOCAL_FILES = {
+    "lambada_openai_local": ["lambada/lambada_test.jsonl"],
+    "hellaswag_local": ["hellaswag/hellaswag_val_full.txt"],
+    "arc_easy_local": ["arc/arc_easy_test.jsonl"],
+    "arc_challenge_local": ["arc/arc_challenge_test.jsonl"],
+    "piqa_local": ["piqa/valid.jsonl", "piqa/valid-labels.lst"],
+    "winogrande_local": ["winogrande/winogrande_dev.jsonl"],
+    "boolq_local": ["boolq/boolq_validation.jsonl"],
+    "wikitext2_local": ["wikitext-2-raw/wiki.test.raw"],
+}
+
+
+def local_tasks() -> list[str]:
+    return sorted(LOCAL_FILES)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _hellaswag(d: Path) -> list[dict]:
+    lines = (d / "hellaswag/hellaswag_val_full.txt").read_text(encoding="utf-8").split("\n")
+    return [{"query": lines[i], "label": int(lines[i + 1]), "choices": lines[i + 2:i + 6]}
+            for i in range(0, len(lines) - 5, 6)]
+
+
+def _piqa(d: Path) -> list[dict]:
+    labels = (d / "piqa/valid-labels.lst").read_text().split()
+    return [{**doc, "label": int(lab)} for doc, lab in zip(_jsonl(d / "piqa/valid.jsonl"), labels, strict=True)]
+
+
+def _detokenize(s: str) -> str:
+    """Undo WikiText's spaced tokenization (" @-@ ", " , ", "( x )")."""
+    for a, b in ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), (" : ", ": "), (" ; ", "; "),
+                 (" . ", ". "), (" ! ", "! "), (" ? ", "? "), (" , ", ", "), (" 's", "'s"),
+                 ("( ", "("), (" )", ")"), ("= = = =", "===="), ("= = =", "==="), ("= =", "==")):
+        s = s.replace(a, b)
+    return s
+
+
+def _wikitext_articles(d: Path) -> list[dict]:
+    lines = (d / "wikitext-2-raw/wiki.test.raw").read_text(encoding="utf-8").split("\n")[:-1]
+    title = re.compile(r"^ = [^=].* = $")
+    pages: list[list[str]] = []
+    for line in lines:
+        if title.match(line):
+            pages.append([])
+        if pages:
+            pages[-1].append(line)
+    return [{"page": _detokenize("\n".join(p).strip())} for p in pages]
+
+
+CONVERTERS = {
+    "lambada_openai_local": ("lambada_openai", lambda d: _jsonl(d / "lambada/lambada_test.jsonl")),
+    "hellaswag_local": ("hellaswag", _hellaswag),
+    "arc_easy_local": ("arc_easy", lambda d: _jsonl(d / "arc/arc_easy_test.jsonl")),
+    "arc_challenge_local": ("arc_challenge", lambda d: _jsonl(d / "arc/arc_challenge_test.jsonl")),
+    "piqa_local": ("piqa", _piqa),
+    "winogrande_local": ("winogrande", lambda d: _jsonl(d / "winogrande/winogrande_dev.jsonl")),
+    "boolq_local": ("boolq", lambda d: _jsonl(d / "boolq/boolq_validation.jsonl")),
+    "wikitext2_local": ("wikitext2", _wikitext_articles),
+}
+
+
+def prepare_tasks(tasks: list[str], data_dir: str | None, cache_dir: str) -> tuple[Path, dict[str, int]]:
+    """Write JSONL + rendered YAML for the local tasks among ``tasks``.
+
+    Returns the include directory for lm-eval and the document count per local
+    task. A missing file raises one line naming the task and the expected path.
+    """
+    local = [t for t in tasks if t in LOCAL_FILES]
+    root = Path(data_dir).expanduser() if data_dir else None
+    for t in local:
+        for f in LOCAL_FILES[t]:
+            if root is None:
+                raise UserError(f"task {t} needs data_dir (or QUANTLAB_DATA_DIR) holding {f}")
+            if not (root / f).is_file():
+                raise UserError(f"task {t}: expected {root / f}")
+    key = hashlib.sha256(json.dumps([str(root), sorted(local)]).encode()).hexdigest()[:16]
+    out = Path(cache_dir).expanduser() / "tasks" / key
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for t in local:
+        name, convert = CONVERTERS[t]
+        path = out / f"{name}.jsonl"
+        if not path.is_file():
+            docs = convert(root)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
+            tmp.replace(path)
+        counts[t] = sum(1 for _ in path.open(encoding="utf-8"))
+        template = (TEMPLATES / f"{t}.yaml").read_text()
+        (out / f"{t}.yaml").write_text(template.replace("{prepared}", str(out)))
+    return out, counts
+
+
+def sample_indices(n_docs: int, limit: int | None, seed: int, task: str) -> list[int] | None:
+    """The same ``limit`` documents of ``task`` for every point (None: all)."""
+    if limit is None or limit >= n_docs:
+        return None
+    rng = random.Random(f"{seed}:{task}")
+    return sorted(rng.sample(range(n_docs), limit))
+
+
+def evaluate(model: torch.nn.Module, tokenizer, cfg: AccuracyProbeConfig, data_dir: str | None,
+             cache_dir: str, seed: int) -> tuple[dict[str, float], dict]:
+    """Run the configured tasks; return flat metrics (``acc/arc_easy_local``) and
+    lm-eval's per-task results (for the JSON artifact)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    include, counts = prepare_tasks(list(cfg.tasks), data_dir, cache_dir)
+    device = str(next(model.parameters()).device)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=cfg.batch_size,
+              max_length=cfg.max_length)
+    if all(t in counts for t in cfg.tasks):  # seeded random subset, same for every point
+        samples = {t: idx for t in cfg.tasks
+                   if (idx := sample_indices(counts[t], cfg.limit, seed, t)) is not None}
+        limit = None
+    else:  # hub tasks: lm-eval's own (first-N) limit; it cannot mix limit and samples
+        samples, limit = {}, cfg.limit
+    res = simple_evaluate(model=lm, tasks=list(cfg.tasks), samples=samples or None, limit=limit,
+                          task_manager=TaskManager(include_path=str(include)), log_samples=False,
+                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                          fewshot_random_seed=seed, bootstrap_iters=0)
+    return flatten_results(res["results"]), res["results"]
+
+
+def flatten_results(results: dict) -> dict[str, float]:
+    """``{"arc_easy_local": {"acc,none": 0.5}}`` -> ``{"acc/arc_easy_local": 0.5}``."""
+    out = {}
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            metric, _, filt = key.partition(",")
+            if metric.endswith("_stderr") or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            name = metric if filt in ("none", "") else f"{metric}_{filt}"
+            out[f"{name}/{task}"] = float(value)
+    return out
