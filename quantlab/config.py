@@ -144,12 +144,26 @@ class PerplexityProbeConfig:
 
 
 @dataclass
+class CacheProbeConfig:
+    """Teacher-forced decoding through the point's KV cache (``windows`` windows
+    of ``prefix_tokens + continuation_tokens`` from ``corpus``)."""
+
+    enabled: bool = False
+    corpus: str = "wikitext2"
+    prefix_tokens: int = 512
+    continuation_tokens: int = 512
+    windows: int = 1
+    chunk: int = 1
+
+
+@dataclass
 class ProbeConfig:
     name: str = MISSING
     latency: LatencyProbeConfig = field(default_factory=LatencyProbeConfig)
     fidelity: FidelityProbeConfig = field(default_factory=FidelityProbeConfig)
     accuracy: AccuracyProbeConfig = field(default_factory=AccuracyProbeConfig)
     perplexity: PerplexityProbeConfig = field(default_factory=PerplexityProbeConfig)
+    cache: CacheProbeConfig = field(default_factory=CacheProbeConfig)
 
 
 @dataclass

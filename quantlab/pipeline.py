@@ -26,6 +26,7 @@ from quantlab import hardware, models, targets, tracking
 from quantlab.config import RunConfig
 from quantlab.errors import UserError
 from quantlab.probes import accuracy, corpus, fidelity, latency, perplexity, size
+from quantlab.probes import cache as cache_probe
 from quantlab.schemes.registry import ApplyContext, kv_handler, weights_handler
 
 log = logging.getLogger("quantlab")
@@ -192,12 +193,22 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
         log.info("[%s] fidelity probe (%d tokens)", name, ids.shape[1])
         metrics.update(fidelity.compare(ref, fidelity.logprobs(runnable, ids)))
     metrics.update(_accuracy(cfg, name, runnable, tok, client, run_id))
+    if cfg.probe.cache.enabled:
+        c = cfg.probe.cache
+        n = c.prefix_tokens + c.continuation_tokens
+        try:
+            wins = corpus.token_ids(tok, c.corpus, n * c.windows, cfg.data_dir).reshape(c.windows, n)
+            log.info("[%s] cache probe (%d x %d tokens, chunk %d)", name, c.windows, n, c.chunk)
+            metrics.update(cache_probe.probe(runnable, wins, c, applied_kv.cache_factory))
+        except UserError as e:
+            log.warning("[%s] cache probe skipped: %s", name, e)
+            tracking.set_tags(client, run_id, {"probe.cache.skipped": str(e)})
     if cfg.probe.latency.enabled:
         lat = cfg.probe.latency
         log.info("[%s] latency probe (batch %d, prompt %d, %d new tokens, %d+%d runs)",
                  name, lat.batch_size, lat.prompt_tokens, lat.new_tokens, lat.warmup, lat.repeats)
         prompt = corpus.prompt_text(tok, lat.prompt_tokens)
-        lat_metrics, _ = latency.measure(runnable, tok, prompt, lat)
+        lat_metrics, _ = latency.measure(runnable, tok, prompt, lat, applied_kv.cache_factory)
         metrics.update(lat_metrics)
     tracking.log_metrics(client, run_id, metrics)
     log.info("[%s] done: %s", name, _headline(metrics))

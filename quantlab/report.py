@@ -1,7 +1,13 @@
-"""Tables of a sweep's points, read back from MLflow."""
+"""Per-sweep report read back from MLflow: table, recovery, Pareto frontier,
+"the fastest point within a budget", plots. ``python -m quantlab.report``."""
 from __future__ import annotations
 
-from quantlab import tracking
+import tempfile
+from pathlib import Path
+
+from quantlab import plots, tracking
+from quantlab.errors import UserError
+from quantlab.pareto import Point, Recommendation, fastest_within, frontier
 
 # (header, metric or tag key, format)
 COLUMNS = (
@@ -83,3 +89,145 @@ def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, flo
         elif key.startswith(LOWER_IS_BETTER) and value > 0:
             out[f"recovery/{key}"] = b / value
     return out
+
+
+# --- decision report -------------------------------------------------------
+
+DEFAULT_BUDGETS = (0.01, 0.05)
+
+
+def decision_metric(runs, choice: str = "auto") -> str:
+    """``auto``: the first accuracy recovery available, else token perplexity
+    recovery, else top-1 agreement with the reference (needs no labels)."""
+    if choice != "auto":
+        return choice
+    keys = sorted({k for r in runs for k in r.data.metrics})
+    for prefix in ("recovery/acc_norm/", "recovery/acc/", "recovery/ppl_token_wikitext2_w"):
+        hit = [k for k in keys if k.startswith(prefix)]
+        if hit:
+            return hit[0]
+    return "fid/top1_agree"
+
+
+def loss_of(metrics: dict[str, float], metric: str) -> float | None:
+    """Relative loss in [0, 1] for recovery/agreement metrics; KL as is."""
+    v = metrics.get(metric)
+    if v is None:
+        return None
+    if metric.startswith("recovery/") or metric == "fid/top1_agree":
+        return max(0.0, 1.0 - v)
+    return v
+
+
+def points(runs, metric: str, cost: str) -> list[Point]:
+    out = []
+    for r in runs:
+        m = r.data.metrics
+        loss = loss_of(m, metric)
+        if r.data.tags.get(tracking.OUTCOME_TAG) == "finished" and loss is not None and cost in m:
+            out.append(Point(r.info.run_name, m[cost], loss, r.data.tags.get("emulated") == "true"))
+    return out
+
+
+def decide(runs, metric: str, budgets=DEFAULT_BUDGETS) -> tuple[str, dict[float, Recommendation]]:
+    """Markdown: frontiers and the fastest real point within each budget."""
+    lat = points(runs, metric, "lat/tpot_ms_p50")
+    mem = points(runs, metric, "size/weight_mb")
+    kl = metric.startswith(("fid/kl", "kvfid/kl"))
+    unit = "" if kl else " (relative loss)"
+    lines = [f"Decision metric: `{metric}`{unit}; loss = "
+             + ("the KL value" if kl else "1 - value") + "; latency = decode TPOT P50.", ""]
+    lines.append("Frontier, loss vs decode latency: " + ", ".join(
+        f"{p.name} ({p.cost:.2f} ms, {p.loss:.3g})" for p in frontier([p for p in lat if not p.emulated])))
+    lines.append("Frontier, loss vs weight memory: " + ", ".join(
+        f"{p.name} ({p.cost:.1f} MiB, {p.loss:.3g})" for p in frontier(mem)))
+    recs = {}
+    for b in budgets:
+        rec = fastest_within(lat, b)
+        recs[b] = rec
+        what = f"KL <= {b:g}" if kl else f"{b:.0%} loss"
+        if rec.point is None:
+            lines.append(f"- Within {what}: no real point qualifies.")
+        else:
+            lines.append(f"- Fastest within {what}: **{rec.point.name}** — {rec.point.cost:.2f} ms/token, "
+                         f"loss {rec.point.loss:.3g} (margin {rec.margin:.3g}; {rec.candidates} qualified)")
+    if any(p.emulated for p in lat):
+        lines.append("- Emulated points are never recommended: their latency is not that of the scheme.")
+    return "\n".join(lines), recs
+
+
+def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
+          budgets=DEFAULT_BUDGETS, out_dir: Path | None = None, log_to_run: bool = True) -> str:
+    """Table + frontier + recommendations for one sweep; PNG/HTML plots in
+    ``out_dir``; with ``log_to_run`` all of it goes to the parent run and the
+    recommended child runs get a ``quantlab.recommended.<budget>`` tag."""
+    runs = tracking.children(client, experiment_id, parent_id)
+    tags = client.get_run(parent_id).data.tags
+    reused = [client.get_run(v) for k, v in tags.items() if k.startswith("quantlab.reused.")]
+    runs += reused
+    metric = decision_metric(runs, metric)
+    text, recs = decide(runs, metric, budgets)
+    sweep = tags.get(tracking.SWEEP_TAG, "?")
+    body = f"# Sweep {sweep} ({parent_id})\n\n{table(runs, {r.info.run_id for r in reused})}\n\n{text}\n"
+    out = Path(out_dir or tempfile.mkdtemp(prefix="quantlab-report-"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(body)
+    panels = {c: points(runs, metric, c) for c in ("lat/tpot_ms_p50", "size/weight_mb")}
+    label = metric if metric.startswith(("fid/kl", "kvfid/kl")) else f"loss = 1 - {metric}"
+    title = f"quantlab sweep {sweep}"
+    if any(panels.values()):
+        plots.png(panels, label, out / "pareto.png", title)
+        plots.html(panels, label, out / "pareto.html", title)
+    if log_to_run:
+        for f in ("report.md", "pareto.png", "pareto.html"):
+            if (out / f).is_file():
+                client.log_artifact(parent_id, str(out / f))
+        by_name = {r.info.run_name: r.info.run_id for r in runs}
+        for b, rec in recs.items():
+            if rec.point is not None:
+                tracking.set_tags(client, by_name[rec.point.name], {f"quantlab.recommended.{b:g}": "true"})
+                tracking.set_tags(client, parent_id, {f"recommended.{b:g}": rec.point.name})
+    return body
+
+
+def _find_parent(client, experiment_id: str, sweep: str) -> str:
+    runs = client.search_runs([experiment_id], filter_string="tags.`quantlab.role` = 'sweep'",
+                              order_by=["attributes.start_time DESC"], max_results=1000)
+    for r in runs:
+        if sweep in ("latest", r.info.run_id, r.data.tags.get(tracking.SWEEP_TAG)):
+            return r.info.run_id
+    names = sorted({r.data.tags.get(tracking.SWEEP_TAG, "?") for r in runs})
+    raise UserError(f"no sweep {sweep!r} in this store; sweeps: {', '.join(names) or 'none'} (or a parent run id)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m quantlab.report [--sweep latest|NAME|RUN_ID] ...``"""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m quantlab.report", description=main.__doc__)
+    ap.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
+    ap.add_argument("--experiment", default="quantlab")
+    ap.add_argument("--sweep", default="latest", help="latest, a sweep name, or a parent run id")
+    ap.add_argument("--metric", default="auto", help="decision metric (auto, fid/kl_mean, recovery/acc/...)")
+    ap.add_argument("--budgets", default="0.01,0.05", help="comma-separated loss budgets")
+    ap.add_argument("--out", default=None, help="directory for report.md, pareto.png, pareto.html")
+    ap.add_argument("--no-log", action="store_true", help="do not write to the parent run")
+    args = ap.parse_args(argv)
+    from quantlab.config import TrackingConfig
+
+    try:
+        client, exp = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
+                                                      artifact_root=None))
+        parent = _find_parent(client, exp, args.sweep)
+    except UserError as e:
+        print(f"quantlab.report: {e}", file=sys.stderr)
+        return 2
+    budgets = tuple(float(b) for b in args.budgets.split(","))
+    print(build(client, exp, parent, args.metric, budgets, Path(args.out) if args.out else None,
+                not args.no_log))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

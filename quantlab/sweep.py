@@ -55,10 +55,8 @@ class SweepCallback(Callback):
         reused = [client.get_run(v) for k, v in tags.items() if k.startswith(REUSED_TAG + ".")]
         _log_recovery(client, parent, runs + reused, config.get("recovery_baseline", "auto"))
         runs = tracking.children(client, exp_id, parent)
-        reused = [client.get_run(r.info.run_id) for r in reused]
-        text = report.table(runs + reused, reused={r.info.run_id for r in reused})
-        print("\n" + text + "\n", flush=True)
-        tracking.log_text(client, parent, text + "\n", "summary.md")
+        text = report.build(client, exp_id, parent)
+        print("\n" + text, flush=True)
         failed = [r for r in runs if r.data.tags.get(tracking.OUTCOME_TAG) == "failed"]
         counts = {o: sum(r.data.tags.get(tracking.OUTCOME_TAG) == o for r in runs)
                   for o in ("finished", "skipped", "failed")}

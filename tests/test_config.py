@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from quantlab.cli import GROUPS, presets
-from quantlab.config import CPUTargetConfig, CUDATargetConfig, ModelConfig, ProbeConfig, RunConfig
+from quantlab.config import (CPUTargetConfig, CUDATargetConfig, KVScheme, ModelConfig, ProbeConfig,
+                             RunConfig, WeightScheme)
 from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.kv import NoKV
 from tests.conftest import compose_cfg
@@ -20,8 +21,12 @@ def test_preset_composes_to_typed_config(group, preset):
     assert isinstance(cfg.model, ModelConfig)
     assert isinstance(cfg.probe, ProbeConfig)
     assert isinstance(cfg.target, (CPUTargetConfig, CUDATargetConfig))
-    assert isinstance(cfg.scheme.kv, NoKV)
+    assert isinstance(cfg.scheme.kv, KVScheme) and isinstance(cfg.scheme.weights, WeightScheme)
     assert cfg.scheme.weights.short_name()
+    if group == "scheme/kv" and preset != "none":
+        assert cfg.scheme.kv.short_name().startswith("kv")
+    else:
+        assert isinstance(cfg.scheme.kv, NoKV)
 
 
 @pytest.mark.parametrize("sweep", presets("sweep"))

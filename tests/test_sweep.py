@@ -66,7 +66,7 @@ def test_summary_table_printed_and_logged(smoke_sweep):
     proc, client, runs = smoke_sweep
     assert "| fp32@cpu" in proc.stdout and "TPOT p50 ms" in proc.stdout
     parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
-    assert "summary.md" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"report.md", "pareto.png", "pareto.html"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
 def test_unknown_scheme_is_one_line_listing_valid_names(tmp_path):
@@ -100,3 +100,25 @@ def test_unavailable_target_is_skipped_with_reason(tmp_path):
                               filter_string="tags.`quantlab.outcome` = 'skipped'")
     assert len(runs) == 1 and "no CUDA device" in runs[0].data.tags[tracking.REASON_TAG]
     assert "size/weight_bytes" not in runs[0].data.metrics  # nothing was loaded
+
+
+def test_report_cli_reads_a_store_written_by_another_process(smoke_sweep, tmp_path, capsys):
+    from quantlab import report
+
+    _, client, runs = smoke_sweep
+    uri = client.tracking_uri
+    assert report.main(["--tracking-uri", uri, "--sweep", "smoke", "--out", str(tmp_path), "--no-log"]) == 0
+    out = capsys.readouterr().out
+    assert "Fastest within 1% loss" in out and "| fp32@cpu" in out
+    assert (tmp_path / "pareto.png").stat().st_size > 10_000 and (tmp_path / "pareto.html").is_file()
+    assert report.main(["--tracking-uri", uri, "--sweep", "nope"]) == 2
+    assert "no sweep 'nope' in this store; sweeps: smoke" in capsys.readouterr().err
+
+
+def test_recommended_point_tagged(smoke_sweep):
+    _, client, runs = smoke_sweep
+    parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
+    tags = client.get_run(parent.info.run_id).data.tags
+    chosen = tags["recommended.0.05"]
+    child = next(r for r in runs if r.info.run_name == chosen)
+    assert client.get_run(child.info.run_id).data.tags["quantlab.recommended.0.05"] == "true"

@@ -1,9 +1,24 @@
-"""KV-cache schemes. ``none`` keeps transformers' default dynamic cache."""
+"""KV-cache schemes on the transformers Cache API.
+
+* ``none``: transformers' ``DynamicCache`` in the model's dtype.
+* ``int8``: int8 storage with symmetric scales per attention head (keys and
+  values apart), computed from the prefill and frozen for decode (``static``),
+  or per head and token (``dynamic``). New tokens are appended as int8.
+* ``int4``: KIVI-style, on transformers' ``QuantizedLayer`` (its residual
+  window): keys per channel, values per token, in groups, packed two per byte;
+  the newest ``residual_length`` tokens stay in full precision.
+* ``fp8``: transformers' own ``Fp8QuantizedLayer`` (E4M3, per-tensor scale).
+
+Every quantized layer dequantizes on read, so attention itself runs in the
+compute dtype: on CPU a quantized cache saves memory, not time.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, Fp8QuantizedLayer, QuantizedLayer
 
 from quantlab.config import KVScheme
 from quantlab.hardware import Hardware
@@ -18,12 +33,148 @@ class NoKV(KVScheme):
         return ""
 
 
-def support(cfg: NoKV, hw: Hardware) -> Support:
-    return Support("real")
+@dataclass
+class Int8KV(KVScheme):
+    scales: str = "static"  # static: per head from the prefill; dynamic: per head and token
+
+    def __post_init__(self) -> None:
+        if self.scales not in ("static", "dynamic"):
+            raise ValueError(f"int8 kv scales {self.scales!r}; valid: static, dynamic")
+
+    def short_name(self) -> str:
+        return "kv8" if self.scales == "static" else "kv8-dyn"
 
 
-def apply(model: torch.nn.Module, cfg: NoKV, ctx: ApplyContext) -> Applied:
-    return Applied(backend="transformers-dynamic-cache", emulated=False)
+@dataclass
+class Int4KV(KVScheme):
+    group_size: int = 32
+    residual_length: int = 128
+
+    def short_name(self) -> str:
+        return f"kv4-g{self.group_size}"
 
 
-register_kv("none", NoKV, support, apply)
+@dataclass
+class FP8KV(KVScheme):
+    def short_name(self) -> str:
+        return "kvfp8"
+
+
+class Int8Layer(BaseQuantizedLayer):
+    """int8 K/V ``[B, H, T, D]`` with symmetric scales ``[1, H, 1, 1]`` (static)
+    or ``[B, H, T, 1]`` (dynamic); appendable, no full-precision copy kept."""
+
+    def __init__(self, dynamic: bool):
+        super().__init__()
+        self.dynamic = dynamic
+
+    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        dims = (-1,) if self.dynamic else (0, 2, 3)
+        return (x.abs().amax(dim=dims, keepdim=True).float() / 127.0).clamp_min(1e-8)
+
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor | None = None):
+        scale = self._scale(x) if scale is None or self.dynamic else scale
+        return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
+
+    def _dequantize(self, q):
+        data, scale = q
+        return (data.float() * scale).to(self.keys.dtype)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.cumulative_length += key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._quantized_keys = self._quantize(key_states)
+            self._quantized_values = self._quantize(value_states)
+            return key_states, value_states
+        pairs = []
+        for stored, new in ((self._quantized_keys, key_states), (self._quantized_values, value_states)):
+            q, s = self._quantize(new, stored[1])
+            scale = torch.cat([stored[1], s], dim=-2) if self.dynamic else stored[1]
+            pairs.append((torch.cat([stored[0], q], dim=-2), scale))
+        self._quantized_keys, self._quantized_values = pairs
+        return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+
+
+def _unpack4(p: torch.Tensor) -> torch.Tensor:
+    return torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)
+
+
+class Int4Layer(QuantizedLayer):
+    """KIVI: keys quantized per channel (statistics over groups of tokens),
+    values per token (over groups of channels); asymmetric, packed uint8."""
+
+    def __init__(self, group_size: int, residual_length: int):
+        super().__init__(nbits=4, axis_key=-2, axis_value=-1, q_group_size=group_size,
+                         residual_length=residual_length)
+
+    def _quantize(self, x: torch.Tensor, axis: int):
+        x = x.float().transpose(-1, -2) if axis == -2 else x.float()  # group along the last dim
+        *lead, n = x.shape
+        g = self.q_group_size if n % self.q_group_size == 0 else n
+        grouped = x.reshape(*lead, n // g, g)
+        lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        q = torch.round((grouped - lo) / scale).clamp(0, 15).to(torch.uint8).reshape(*lead, n)
+        return _pack4(q), scale.to(torch.bfloat16), lo.to(torch.bfloat16), axis, g
+
+    def _dequantize(self, qt):
+        packed, scale, lo, axis, g = qt
+        q = _unpack4(packed).float()
+        *lead, n = q.shape
+        x = (q.reshape(*lead, n // g, g) * scale.float() + lo.float()).reshape(*lead, n)
+        return (x.transpose(-1, -2) if axis == -2 else x).to(self.keys.dtype)
+
+
+class KVCache(Cache):
+    """A cache whose layers are all of one quantized layer type."""
+
+    def __init__(self, layer_factory, config):
+        n = config.get_text_config(decoder=True).num_hidden_layers
+        super().__init__(layers=[layer_factory() for _ in range(n)])
+
+
+def cache_factory(cfg: KVScheme):
+    """``factory(config=model_config) -> Cache`` for the latency and cache probes."""
+    if isinstance(cfg, NoKV):
+        return DynamicCache
+    if isinstance(cfg, Int8KV):
+        return partial(KVCache, partial(Int8Layer, cfg.scales == "dynamic"))
+    if isinstance(cfg, Int4KV):
+        return partial(KVCache, partial(Int4Layer, cfg.group_size, cfg.residual_length))
+    if isinstance(cfg, FP8KV):
+        return partial(KVCache, Fp8QuantizedLayer)
+    raise TypeError(f"no cache for {type(cfg).__name__}")
+
+
+def cache_bytes(cache: Cache) -> int:
+    """Bytes the cache holds: quantized data, scales and any full-precision window."""
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None),
+                  *(getattr(layer, "_quantized_keys", None) or ()),
+                  *(getattr(layer, "_quantized_values", None) or ())):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def support(cfg: KVScheme, hw: Hardware) -> Support:
+    if isinstance(cfg, NoKV) or hw.device in ("cpu", "cuda"):
+        return Support("real", "" if isinstance(cfg, NoKV) else "dequantized on read; attention in compute dtype")
+    return Support("unsupported", f"quantized KV cache on {hw.device}")
+
+
+def apply(model: torch.nn.Module, cfg: KVScheme, ctx: ApplyContext) -> Applied:
+    backend = {NoKV: "transformers.DynamicCache", Int8KV: f"quantlab.Int8Layer({getattr(cfg, 'scales', '')})",
+               Int4KV: "quantlab.Int4Layer(transformers.QuantizedLayer)",
+               FP8KV: "transformers.Fp8QuantizedLayer"}[type(cfg)]
+    return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg))
+
+
+for _name, _cls in (("none", NoKV), ("int8", Int8KV), ("int4", Int4KV), ("fp8", FP8KV)):
+    register_kv(_name, _cls, support, apply)

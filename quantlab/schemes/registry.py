@@ -55,6 +55,7 @@ class Applied:
     backend: str
     emulated: bool
     extra_tags: dict[str, str] = field(default_factory=dict)
+    cache_factory: Callable[..., Any] | None = None  # KV schemes: factory(config=...) -> Cache
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,72 @@
+"""Pareto plots: a PNG for reports and an interactive HTML (plotly) for browsing."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantlab.pareto import Point, frontier
+
+COSTS = {"lat/tpot_ms_p50": "decode latency per token, P50 [ms]", "size/weight_mb": "weight memory [MiB]"}
+
+
+def png(panels: dict[str, list[Point]], loss_label: str, path: Path, title: str) -> Path:
+    """One panel per cost axis; frontier joined by a line; emulated points hollow
+    red crosses labelled "(emulated)" so nobody reads their latency as real."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
+    for ax, (cost_key, pts) in zip(axes[0], panels.items()):
+        real = [p for p in pts if not p.emulated]
+        emu = [p for p in pts if p.emulated]
+        # memory is real even for emulated points; latency is not
+        front = frontier(pts if cost_key.startswith("size/") else real)
+        ax.scatter([p.cost for p in real], [p.loss for p in real], s=40, c="tab:blue", label="measured point")
+        if emu:
+            ax.scatter([p.cost for p in emu], [p.loss for p in emu], s=60, marker="x", c="tab:red",
+                       label="emulated (latency not real)")
+        if front:
+            ax.plot([p.cost for p in front], [p.loss for p in front], "-", c="tab:green", lw=1.5,
+                    label="Pareto frontier")
+        for p in pts:
+            ax.annotate(p.name + (" (emulated)" if p.emulated else ""), (p.cost, p.loss),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel(COSTS.get(cost_key, cost_key))
+        ax.set_ylabel(loss_label)
+        if pts and min(p.loss for p in pts) > 0 and max(p.loss for p in pts) / min(p.loss for p in pts) > 100:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def html(panels: dict[str, list[Point]], loss_label: str, path: Path, title: str) -> Path:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[COSTS.get(k, k) for k in panels])
+    for col, (cost_key, pts) in enumerate(panels.items(), start=1):
+        for emulated, color, symbol in ((False, "royalblue", "circle"), (True, "crimson", "x-open")):
+            sel = [p for p in pts if p.emulated == emulated]
+            if sel:
+                fig.add_trace(go.Scatter(
+                    x=[p.cost for p in sel], y=[p.loss for p in sel], mode="markers+text",
+                    text=[p.name for p in sel], textposition="top right",
+                    marker=dict(color=color, symbol=symbol, size=10),
+                    name="emulated (latency not real)" if emulated else "measured point",
+                    showlegend=col == 1,
+                    hovertemplate="%{text}<br>cost %{x:.3g}<br>loss %{y:.3g}<extra></extra>"), row=1, col=col)
+        front = frontier(pts if cost_key.startswith("size/") else [p for p in pts if not p.emulated])
+        fig.add_trace(go.Scatter(x=[p.cost for p in front], y=[p.loss for p in front], mode="lines",
+                                 line=dict(color="seagreen"), name="Pareto frontier", showlegend=col == 1),
+                      row=1, col=col)
+        fig.update_xaxes(title_text=COSTS.get(cost_key, cost_key), row=1, col=col)
+        fig.update_yaxes(title_text=loss_label, row=1, col=col)
+    fig.update_layout(title=title, height=500)
+    fig.write_html(str(path), include_plotlyjs=True, full_html=True)
+    return path

@@ -1,0 +1,105 @@
+"""KV-cache schemes: real low-bit storage, per-head scales, round-trip bounds,
+and combination with any weight scheme."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from quantlab import models
+from quantlab.config import CacheProbeConfig, ModelConfig
+from quantlab.probes import cache as cache_probe
+from quantlab.probes import corpus
+from quantlab.schemes.kv import FP8KV, Int4KV, Int4Layer, Int8KV, Int8Layer, NoKV, cache_bytes, cache_factory
+
+
+def _kv(b=2, h=3, t=40, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, t, d, generator=g) * torch.linspace(0.5, 4, h)[None, :, None, None]
+
+
+def test_int8_static_stores_int8_with_one_scale_per_head():
+    layer = Int8Layer(dynamic=False)
+    k, v = _kv(), _kv(seed=1)
+    layer.update(k, v)
+    layer.update(_kv(t=1, seed=2), _kv(t=1, seed=3))
+    (qk, sk), (qv, sv) = layer._quantized_keys, layer._quantized_values
+    assert qk.dtype == qv.dtype == torch.int8 and qk.shape == (2, 3, 41, 16)
+    assert sk.shape == sv.shape == (1, 3, 1, 1)  # per head, frozen after the prefill
+    err = (layer._dequantize(layer._quantized_keys)[:, :, :40] - k).abs()
+    assert torch.all(err <= sk / 2 + 1e-6)  # round to nearest: half a step
+
+
+def test_int8_dynamic_scales_per_head_and_token():
+    layer = Int8Layer(dynamic=True)
+    layer.update(_kv(), _kv(seed=1))
+    layer.update(_kv(t=3, seed=2) * 10, _kv(t=3, seed=3))  # louder tokens get their own scale
+    qk, sk = layer._quantized_keys
+    assert sk.shape == (2, 3, 43, 1)
+    out = layer._dequantize(layer._quantized_keys)[:, :, 40:]
+    ref = _kv(t=3, seed=2) * 10
+    assert ((out - ref).abs() <= sk[:, :, 40:] / 2 + 1e-5).all()
+
+
+def test_int4_kivi_round_trip_and_packing():
+    layer = Int4Layer(group_size=8, residual_length=4)
+    k, v = _kv(t=32), _kv(t=32, seed=1)
+    layer.update(k, v)
+    packed, scale, lo, axis, g = layer._quantized_keys
+    assert packed.dtype == torch.uint8 and packed.shape[-1] * 2 == 32  # keys: tokens grouped per channel
+    assert axis == -2 and g == 8
+    kd = layer._dequantize(layer._quantized_keys)
+    vd = layer._dequantize(layer._quantized_values)
+    assert kd.shape == k.shape and vd.shape == v.shape
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(kd, k) < 0.15 and rel(vd, v) < 0.15
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.tiny_model(ModelConfig(name="tiny", source="tiny")), models.byte_tokenizer()
+
+
+@pytest.mark.parametrize("kv,ratio", [(Int8KV("static"), 0.51), (Int8KV("dynamic"), 0.63),
+                                      (FP8KV(), 0.51), (Int4KV(group_size=16, residual_length=16), 0.45)])
+def test_cache_probe_bytes_and_fidelity(tiny, kv, ratio):
+    model, tok = tiny
+    wins = corpus.token_ids(tok, "builtin", 2 * 160).reshape(2, 160)
+    cfg = CacheProbeConfig(enabled=True, prefix_tokens=96, continuation_tokens=64, chunk=1)
+    dense = cache_probe.probe(model, wins, cfg, cache_factory(NoKV()))
+    quant = cache_probe.probe(model, wins, cfg, cache_factory(kv))
+    assert dense["kv/ratio_vs_dense"] == 1.0 and dense["kvfid/kl_mean"] < 1e-6  # summation order only
+    assert quant["kv/ratio_vs_dense"] <= ratio
+    assert 0 < quant["kvfid/kl_mean"] < 1e-2
+    assert quant["kvfid/ppl"] == pytest.approx(dense["kvfid/ppl"], rel=0.02)
+
+
+def test_int4_is_worse_than_int8(tiny):
+    model, tok = tiny
+    wins = corpus.token_ids(tok, "builtin", 300).reshape(1, 300)
+    cfg = CacheProbeConfig(enabled=True, prefix_tokens=200, continuation_tokens=100, chunk=4)
+    kl8 = cache_probe.probe(model, wins, cfg, cache_factory(Int8KV()))["kvfid/kl_mean"]
+    kl4 = cache_probe.probe(model, wins, cfg, cache_factory(Int4KV(group_size=32, residual_length=16)))["kvfid/kl_mean"]
+    assert kl8 < kl4
+
+
+def test_dense_cache_bytes_match_shape(tiny):
+    model, tok = tiny
+    cache = DynamicCache(config=model.config)
+    ids = corpus.token_ids(tok, "builtin", 50)
+    model(input_ids=ids, cache=cache, use_cache=True)
+    c = model.config  # 2 layers x K and V x 2 kv heads x head_dim 16 x 50 tokens x fp32
+    assert cache_bytes(cache) == 2 * c.num_hidden_layers * c.num_key_value_heads * 16 * 50 * 4
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4-g32", "nf4", "fp8-e4m3"])
+def test_kv_scheme_combines_with_weight_schemes(tmp_path, weights):
+    from tests.conftest import compose_cfg
+    from quantlab.pipeline import run_point
+
+    cfg = compose_cfg(["model=tiny", f"scheme/weights={weights}", "scheme/kv=int8",
+                       f"tracking.uri=sqlite:///{tmp_path}/m.db", f"tracking.artifact_root={tmp_path}/a",
+                       "probe.latency.repeats=1"])
+    result = run_point(cfg)
+    assert result.outcome == "finished", result.reason
+    assert result.name == f"{cfg.scheme.weights.short_name()}+kv8@cpu"
