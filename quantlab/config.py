@@ -100,8 +100,25 @@ class CUDATargetConfig(TargetConfig):
 
 
 @dataclass
+class NeuronTargetConfig(TargetConfig):
+    """AWS Inferentia2/Trainium via optimum-neuron in its own interpreter."""
+
+    name: str = "neuron"
+    python: str = "python3"  # the Neuron virtualenv's interpreter
+    batch_size: int = 1
+    sequence_length: int = 2048
+    num_cores: int = 2  # tensor-parallel degree
+    compile_cache: str = "~/.cache/quantlab/neuron"
+    compile: bool = True
+    timeout_s: float = 3600.0
+
+
+@dataclass
 class LatencyProbeConfig:
-    """Decode-loop timing: ``warmup`` runs are discarded, then ``repeats`` runs."""
+    """Decode-loop timing. Per grid cell, ``warmup`` requests are discarded, then
+    requests repeat until both ``repeats`` and ``min_seconds`` are reached
+    (at most ``max_repeats``). The primary cell is (``batch_size``,
+    ``prompt_tokens``); ``grid_batch_sizes`` x ``grid_prompt_tokens`` adds cells."""
 
     enabled: bool = True
     batch_size: int = 1
@@ -109,7 +126,14 @@ class LatencyProbeConfig:
     new_tokens: int = 32
     warmup: int = 1
     repeats: int = 3
+    min_seconds: float = 0.0
+    max_repeats: int = 100
+    grid_batch_sizes: list[int] = field(default_factory=list)
+    grid_prompt_tokens: list[int] = field(default_factory=list)
+    stages: bool = True  # per-stage breakdown (separate requests, hooks on)
+    stage_requests: int = 2
     rss_sample_hz: float = 200.0
+    load_warn: float = 0.5  # warn when the 1-min load exceeds cores + this (a competing process)
 
 
 @dataclass
@@ -205,6 +229,7 @@ def register_configs() -> None:
         cs.store(group="scheme/kv", name=f"_{name}", node=node)
     cs.store(group="target", name="_cpu", node=CPUTargetConfig)
     cs.store(group="target", name="_cuda", node=CUDATargetConfig)
+    cs.store(group="target", name="_neuron", node=NeuronTargetConfig)
     cs.store(group="model", name="_model", node=ModelConfig)
     cs.store(group="probe", name="_probe", node=ProbeConfig)
     cs.store(group="tracking", name="_tracking", node=TrackingConfig)

@@ -25,7 +25,7 @@ import yaml
 from quantlab import hardware, models, targets, tracking
 from quantlab.config import RunConfig
 from quantlab.errors import UserError
-from quantlab.probes import accuracy, corpus, fidelity, latency, perplexity, size
+from quantlab.probes import accuracy, corpus, energy, fidelity, latency, perplexity, roofline, size, stages
 from quantlab.probes import cache as cache_probe
 from quantlab.schemes.registry import ApplyContext, kv_handler, weights_handler
 
@@ -188,6 +188,8 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
     })
     metrics = size.weight_stats(model, n_params)
     runnable = target.compile(model)
+    metrics["compile/warmup_s"] = target.warm_up(runnable, applied_kv.cache_factory)
+    metrics["compile/enabled"] = float(bool(cfg.target.compile))
 
     if ref is not None:
         log.info("[%s] fidelity probe (%d tokens)", name, ids.shape[1])
@@ -204,12 +206,8 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
             log.warning("[%s] cache probe skipped: %s", name, e)
             tracking.set_tags(client, run_id, {"probe.cache.skipped": str(e)})
     if cfg.probe.latency.enabled:
-        lat = cfg.probe.latency
-        log.info("[%s] latency probe (batch %d, prompt %d, %d new tokens, %d+%d runs)",
-                 name, lat.batch_size, lat.prompt_tokens, lat.new_tokens, lat.warmup, lat.repeats)
-        prompt = corpus.prompt_text(tok, lat.prompt_tokens)
-        lat_metrics, _ = latency.measure(runnable, tok, prompt, lat, applied_kv.cache_factory)
-        metrics.update(lat_metrics)
+        metrics.update(_latency(cfg, name, runnable, tok, applied_kv.cache_factory,
+                                metrics["size/weight_bytes"], client, run_id))
     tracking.log_metrics(client, run_id, metrics)
     log.info("[%s] done: %s", name, _headline(metrics))
     return "finished", ""
@@ -238,6 +236,47 @@ def _accuracy(cfg: RunConfig, name: str, model, tok, client, run_id: str) -> dic
         except UserError as e:
             log.warning("[%s] lm-eval skipped: %s", name, e)
             tracking.set_tags(client, run_id, {"probe.accuracy.skipped": str(e)})
+    return out
+
+
+def _latency(cfg: RunConfig, name: str, model, tok, cache_factory, weight_bytes: float,
+             client, run_id: str) -> dict[str, float]:
+    """Grid timings, stage table, roofline, energy and load; raw samples as CSV."""
+    lat = cfg.probe.latency
+    cores = os.cpu_count() or 1
+    log.info("[%s] latency probe (%d cells, %d new tokens, >= %d requests per cell)",
+             name, len(latency.cells(lat)), lat.new_tokens, lat.repeats)
+    prompt = corpus.prompt_text(tok, max(p for _, p in latency.cells(lat)))
+    device = next(model.parameters()).device
+    counter, why = energy.open_counter(device)
+    load_before = os.getloadavg()[0]
+    e0 = counter.read() if counter else None
+    out, raw = latency.measure(model, tok, prompt, lat, cache_factory)
+    tags = {"threads": str(torch.get_num_threads())}
+    if counter:
+        joules = counter.delta(e0, counter.read())
+        tokens = sum(b * lat.new_tokens for b, _, _ in raw)
+        out.update({"energy/joules": joules, "energy/tok_per_j": tokens / joules if joules > 0 else 0.0})
+    else:
+        tags["energy.reason"] = why
+    load = max(load_before, os.getloadavg()[0])
+    out["sys/load1"] = load
+    if load > cores + lat.load_warn:
+        log.warning("[%s] system load %.1f on %d cores during timing: latency is inflated", name, load, cores)
+        tags["load.warning"] = f"load1 {load:.1f} > {cores} cores"
+    peak = roofline.host_bandwidth(cfg.cache_dir, device)
+    b, p = latency.cells(lat)[0]
+    kv_mid = out.get("mem/kv_mb", 0.0) * 2**20 * (p + lat.new_tokens / 2) / (p + lat.new_tokens)
+    if "lat/tpot_ms_p50" in out:
+        out.update(roofline.utilisation(weight_bytes + kv_mid, out["lat/tpot_ms_p50"], peak))
+    tracking.log_text(client, run_id, latency.samples_csv(raw), "latency_samples.csv")
+    if lat.stages:
+        samples, totals = stages.measure(model, tok, prompt, lat.prompt_tokens,
+                                         max(lat.new_tokens - 1, 1), lat.stage_requests, cache_factory)
+        csv, stage_metrics = stages.table(samples, totals)
+        out.update(stage_metrics)
+        tracking.log_text(client, run_id, csv, "stages.csv")
+    tracking.set_tags(client, run_id, tags)
     return out
 
 

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from quantlab.config import LatencyProbeConfig
 from quantlab.probes.memory import PeakRSS
+from quantlab.schemes.kv import cache_bytes
 from quantlab.stats import summarize
 
 
@@ -36,6 +37,7 @@ class RequestTiming:
     prefill_ms: float  # forward over the prompt + first sample
     ttft_ms: float  # tokenize + prefill + first sample
     step_ms: list[float] = field(default_factory=list)
+    kv_bytes: int = 0  # what the cache held at the end of the request
 
     @property
     def e2e_ms(self) -> float:
@@ -44,12 +46,15 @@ class RequestTiming:
 
 @torch.inference_mode()
 def run_request(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, clock: Clock,
-                cache_factory=DynamicCache) -> RequestTiming:
-    """Time one batched greedy generation of ``cfg.new_tokens`` tokens."""
+                cache_factory=DynamicCache, batch: int | None = None,
+                prompt_tokens: int | None = None) -> RequestTiming:
+    """Time one batched greedy generation of ``cfg.new_tokens`` tokens (batch and
+    prompt length default to the primary cell's)."""
+    batch, prompt_tokens = batch or cfg.batch_size, prompt_tokens or cfg.prompt_tokens
     device = next(model.parameters()).device
     t0 = clock.now_ms()
-    ids = tokenizer([prompt] * cfg.batch_size, return_tensors="pt", add_special_tokens=False)
-    ids = ids["input_ids"][:, : cfg.prompt_tokens].to(device)
+    ids = tokenizer([prompt] * batch, return_tensors="pt", add_special_tokens=False)
+    ids = ids["input_ids"][:, :prompt_tokens].to(device)
     t1 = clock.now_ms()
     cache = cache_factory(config=model.config)
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -61,37 +66,75 @@ def run_request(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, clock: C
         out = model(input_ids=nxt, cache=cache, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         timing.step_ms.append(clock.now_ms() - s)
+    timing.kv_bytes = cache_bytes(cache)
     return timing
 
 
-def measure(model, tokenizer, prompt: str, cfg: LatencyProbeConfig,
-            cache_factory=DynamicCache) -> tuple[dict[str, float], list[RequestTiming]]:
-    """Run warm-up + measured requests; return flat metrics and raw timings.
+def cells(cfg: LatencyProbeConfig) -> list[tuple[int, int]]:
+    """The primary cell first, then the rest of the grid."""
+    grid = [(b, p) for b in cfg.grid_batch_sizes or [cfg.batch_size]
+            for p in cfg.grid_prompt_tokens or [cfg.prompt_tokens]]
+    primary = (cfg.batch_size, cfg.prompt_tokens)
+    return [primary, *(c for c in grid if c != primary)]
 
-    ``prompt`` must tokenize to at least ``cfg.prompt_tokens`` tokens.
-    """
-    n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    if n < cfg.prompt_tokens:
-        raise ValueError(f"prompt has {n} tokens, probe needs {cfg.prompt_tokens}")
+
+def measure_cell(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, batch: int, prompt_tokens: int,
+                 cache_factory=DynamicCache) -> tuple[dict[str, float], list[RequestTiming]]:
+    """Warm-up, then requests until ``repeats`` and ``min_seconds`` are both met."""
     clock = Clock(next(model.parameters()).device)
     for _ in range(cfg.warmup):
-        run_request(model, tokenizer, prompt, cfg, clock, cache_factory)
+        run_request(model, tokenizer, prompt, cfg, clock, cache_factory, batch, prompt_tokens)
+    runs: list[RequestTiming] = []
+    began = time.perf_counter()
     with PeakRSS(cfg.rss_sample_hz) as rss:
-        runs = [run_request(model, tokenizer, prompt, cfg, clock, cache_factory)
-                for _ in range(cfg.repeats)]
+        while len(runs) < cfg.max_repeats and (
+                len(runs) < cfg.repeats or time.perf_counter() - began < cfg.min_seconds):
+            runs.append(run_request(model, tokenizer, prompt, cfg, clock, cache_factory, batch, prompt_tokens))
     steps = [s for r in runs for s in r.step_ms]
     metrics = {
         **summarize("lat/ttft_ms", [r.ttft_ms for r in runs]),
         **summarize("lat/prefill_ms", [r.prefill_ms for r in runs]),
         **summarize("lat/e2e_ms", [r.e2e_ms for r in runs]),
         "mem/peak_rss_mb": rss.peak_bytes / 2**20,
-        "lat/batch_size": float(cfg.batch_size),
-        "lat/prompt_tokens": float(cfg.prompt_tokens),
-        "lat/new_tokens": float(cfg.new_tokens),
+        "mem/kv_mb": runs[-1].kv_bytes / 2**20,
     }
     if steps:
         metrics.update(summarize("lat/tpot_ms", steps))
-        metrics["tput/decode_tok_s"] = cfg.batch_size * 1000.0 / metrics["lat/tpot_ms_mean"]
-    total_tokens = cfg.batch_size * cfg.new_tokens * len(runs)
-    metrics["tput/e2e_tok_s"] = total_tokens * 1000.0 / sum(r.e2e_ms for r in runs)
+        metrics["tput/decode_tok_s"] = batch * 1000.0 / metrics["lat/tpot_ms_mean"]
+    total_ms = sum(r.e2e_ms for r in runs)
+    metrics["tput/e2e_tok_s"] = batch * cfg.new_tokens * len(runs) * 1000.0 / total_ms
+    metrics["tput/req_s"] = batch * len(runs) * 1000.0 / total_ms
     return metrics, runs
+
+
+def measure(model, tokenizer, prompt: str, cfg: LatencyProbeConfig,
+            cache_factory=DynamicCache) -> tuple[dict[str, float], list[tuple[int, int, RequestTiming]]]:
+    """Every grid cell. The primary cell's metrics keep plain names
+    (``lat/tpot_ms_p50``); every cell also logs ``cell/b{B}_p{P}/<name>``.
+    ``prompt`` must tokenize to at least the longest prompt length."""
+    need = max(p for _, p in cells(cfg))
+    n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if n < need:
+        raise ValueError(f"prompt has {n} tokens, probe needs {need}")
+    metrics: dict[str, float] = {"lat/batch_size": float(cfg.batch_size),
+                                 "lat/prompt_tokens": float(cfg.prompt_tokens),
+                                 "lat/new_tokens": float(cfg.new_tokens)}
+    raw: list[tuple[int, int, RequestTiming]] = []
+    for i, (b, p) in enumerate(cells(cfg)):
+        cell, runs = measure_cell(model, tokenizer, prompt, cfg, b, p, cache_factory)
+        if i == 0:
+            metrics.update(cell)
+        metrics.update({f"cell/b{b}_p{p}/{k.split('/', 1)[1]}": v for k, v in cell.items()
+                        if k.endswith(("_p50", "_p99", "_tok_s", "req_s", "_mb"))})
+        raw += [(b, p, r) for r in runs]
+    return metrics, raw
+
+
+def samples_csv(raw: list[tuple[int, int, RequestTiming]]) -> str:
+    """Every timing sample, for re-analysis: batch,prompt,request,kind,index,ms."""
+    lines = ["batch,prompt_tokens,request,kind,index,ms"]
+    for i, (b, p, r) in enumerate(raw):
+        lines += [f"{b},{p},{i},tokenize,0,{r.tokenize_ms:.6f}", f"{b},{p},{i},prefill,0,{r.prefill_ms:.6f}",
+                  f"{b},{p},{i},ttft,0,{r.ttft_ms:.6f}"]
+        lines += [f"{b},{p},{i},tpot,{j},{ms:.6f}" for j, ms in enumerate(r.step_ms)]
+    return "\n".join(lines) + "\n"

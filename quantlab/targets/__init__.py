@@ -6,15 +6,16 @@ turns the quantized model into the runnable that the probes time.
 """
 from __future__ import annotations
 
-from quantlab.config import CPUTargetConfig, CUDATargetConfig, TargetConfig
+from quantlab.config import CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig, TargetConfig
 from quantlab.targets.base import Target
 
 
 def get(cfg: TargetConfig) -> Target:
     from quantlab.targets.cpu import CPUTarget
     from quantlab.targets.cuda import CUDATarget
+    from quantlab.targets.neuron import NeuronTarget
 
-    table = {CPUTargetConfig: CPUTarget, CUDATargetConfig: CUDATarget}
+    table = {CPUTargetConfig: CPUTarget, CUDATargetConfig: CUDATarget, NeuronTargetConfig: NeuronTarget}
     try:
         return table[type(cfg)](cfg)
     except KeyError:

@@ -44,8 +44,26 @@ class Target(abc.ABC):
         """Process-wide settings (threads) applied before the model is loaded."""
 
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move to the device and optionally ``torch.compile``; returns the runnable."""
+        """Move to the device and optionally ``torch.compile`` (inductor, dynamic
+        shapes so a growing KV cache does not recompile every step); returns the
+        runnable. Compilation is triggered later by ``warm_up``."""
         model = model.to(self.device)
         if self.cfg.compile:
-            model.forward = torch.compile(model.forward)
+            model.forward = torch.compile(model.forward, dynamic=True)
         return model
+
+    @torch.inference_mode()
+    def warm_up(self, model: torch.nn.Module, cache_factory, prompt_tokens: int = 16, steps: int = 3) -> float:
+        """Seconds spent in the first prefill + decode steps: for a compiled
+        model that is the compile time, logged apart from probe latency."""
+        import time
+
+        ids = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), device=self.device)
+        t = time.perf_counter()
+        cache = cache_factory(config=model.config)
+        nxt = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(steps):
+            nxt = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t

@@ -1,0 +1,65 @@
+"""Scheme x target -> real / emulated / unsupported (reason), from the same
+``supports()`` the sweep asks before running a point.
+
+    python -m quantlab.capabilities            # every weight and KV preset, every target
+"""
+from __future__ import annotations
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from quantlab import targets
+from quantlab.cli import CONF_DIR, presets
+from quantlab.config import register_configs
+
+
+def _objects(group: str) -> dict[str, object]:
+    register_configs()
+    out = {}
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for name in presets(group):
+            cfg = compose("config", overrides=[f"{group}={name}", "model=tiny"])
+            node = OmegaConf.to_object(cfg)
+            out[name] = node.scheme.weights if group == "scheme/weights" else (
+                node.scheme.kv if group == "scheme/kv" else node.target)
+    return out
+
+
+def matrix() -> dict[tuple[str, str, str], tuple[str, str]]:
+    """``{(group, preset, target): (status, reason)}`` for the installed environment."""
+    weights, kvs, tgts = _objects("scheme/weights"), _objects("scheme/kv"), _objects("target")
+    none_kv, bf16 = kvs["none"], weights["bf16"]
+    out = {}
+    for tname, tcfg in tgts.items():
+        target = targets.get(tcfg)
+        for name, w in weights.items():
+            s = target.supports(w, none_kv)
+            out[("weights", name, tname)] = (s.status, s.reason)
+        for name, kv in kvs.items():
+            s = target.supports(bf16, kv)
+            out[("kv", name, tname)] = (s.status, s.reason)
+    return out
+
+
+def render(m: dict[tuple[str, str, str], tuple[str, str]]) -> str:
+    tnames = sorted({t for _, _, t in m})
+    rows = sorted({(g, n) for g, n, _ in m})
+    lines = ["| scheme | " + " | ".join(tnames) + " |", "|---|" + "---|" * len(tnames)]
+    notes = []
+    for g, n in rows:
+        cells = []
+        for t in tnames:
+            status, reason = m[(g, n, t)]
+            cells.append(status)
+            if reason:
+                notes.append(f"- {g} {n} @ {t}: {status}: {reason}")
+        lines.append(f"| {g}={n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", *notes]) + "\n"
+
+
+def main() -> None:
+    print(render(matrix()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""AWS Inferentia2 / Trainium through optimum-neuron, in its own Python.
+
+optimum-neuron pins an older torch/transformers and needs the Neuron SDK
+(neuronx-cc, torch-neuronx), which is not on PyPI. So quantlab never imports
+it: it drives ``quantlab.targets.neuron_worker`` under the interpreter named by
+``target.python`` (e.g. the AWS Neuron virtualenv on an inf2 host), one JSON
+request per line on stdin, one JSON reply per line on stdout.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantlab.config import NeuronTargetConfig
+from quantlab.errors import UserError
+from quantlab.hardware import Hardware
+from quantlab.schemes.registry import Support
+from quantlab.targets.base import Target
+
+WORKER = "quantlab.targets.neuron_worker"
+DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def weight_support(weights: Any) -> Support:
+    """What the Neuron stack can run for a quantlab weight scheme."""
+    from quantlab.schemes.float import FloatScheme
+    from quantlab.schemes.fp8 import FP8Scheme
+    from quantlab.schemes.int8 import Int8Scheme
+
+    if isinstance(weights, FloatScheme):
+        if weights.dtype in DTYPES:
+            return Support("real")
+        return Support("unsupported", "Neuron compiles bf16/fp16 (auto_cast_type); fp32 is not a deployment dtype")
+    if isinstance(weights, Int8Scheme):
+        return Support("real", "Neuron weight-only int8 (quantized weights, bf16 compute)")
+    if isinstance(weights, FP8Scheme) and weights.activations == "none" and weights.format == "e4m3":
+        return Support("real", "Neuron f8e4m3 weight storage (trn2/inf2 SDK >= 2.21)")
+    return Support("unsupported", f"no Neuron equivalent of {type(weights).__name__} ({weights.short_name()})")
+
+
+def export_kwargs(cfg: NeuronTargetConfig, weights: Any, api: str) -> dict[str, Any]:
+    """``NeuronModelForCausalLM.from_pretrained(..., export=True, **kwargs)`` for a point.
+
+    ``api``: ``legacy`` (optimum-neuron < 0.3: ``num_cores``, ``auto_cast_type``)
+    or ``current`` (>= 0.3: ``tensor_parallel_size``, ``torch_dtype``).
+    """
+    from quantlab.schemes.fp8 import FP8Scheme
+    from quantlab.schemes.int8 import Int8Scheme
+
+    dtype = getattr(weights, "dtype", None) or getattr(weights, "compute_dtype", "bfloat16")
+    if dtype not in DTYPES:
+        raise UserError(f"neuron: dtype {dtype} not compilable; valid: {', '.join(DTYPES)}")
+    kw: dict[str, Any] = {"export": True, "batch_size": cfg.batch_size, "sequence_length": cfg.sequence_length}
+    if api == "legacy":
+        kw.update(num_cores=cfg.num_cores, auto_cast_type=DTYPES[dtype])
+    elif api == "current":
+        kw.update(tensor_parallel_size=cfg.num_cores, torch_dtype=dtype)
+    else:
+        raise ValueError(f"api {api!r}; valid: legacy, current")
+    if isinstance(weights, Int8Scheme):
+        kw["quantization"] = {"quantized": True, "quantization_dtype": "int8", "quantization_type": "per_channel_symmetric"}
+    elif isinstance(weights, FP8Scheme):
+        kw["quantization"] = {"quantized": True, "quantization_dtype": "f8e4m3", "quantization_type": "per_channel_symmetric"}
+    return kw
+
+
+class WorkerClient:
+    """One worker process; ``call(op, **args)`` sends a request and waits for its reply."""
+
+    def __init__(self, python: str, timeout_s: float, env: dict[str, str] | None = None):
+        exe = shutil.which(python) or (python if Path(python).is_file() else None)
+        if exe is None:
+            raise UserError(f"neuron: interpreter {python!r} not found; set target.python to the "
+                            "Neuron virtualenv's python (e.g. /opt/aws_neuronx_venv_pytorch/bin/python)")
+        src = str(Path(__file__).resolve().parent.parent.parent)
+        self.timeout_s = timeout_s
+        self.proc = subprocess.Popen([exe, "-m", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=src,
+                                     env={**(env or {}), "PYTHONPATH": src, "PYTHONUNBUFFERED": "1",
+                                          **_passthrough()})
+
+    def call(self, op: str, **args) -> dict[str, Any]:
+        if self.proc.poll() is not None:
+            raise UserError(f"neuron worker exited ({self.proc.returncode}): {self._stderr_tail()}")
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise UserError(f"neuron worker died during {op!r}: {self._stderr_tail()}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise UserError(f"neuron worker {op!r} failed: {reply.get('error', 'unknown error')}")
+        return reply
+
+    def _stderr_tail(self) -> str:
+        try:
+            _, err = self.proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "(no stderr)"
+        lines = [line for line in (err or "").strip().splitlines() if line.strip()]
+        return lines[-1] if lines else "(no stderr)"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("shutdown")
+            except UserError:
+                pass
+            self.proc.wait(timeout=10)
+
+
+def _passthrough() -> dict[str, str]:
+    import os
+
+    keep = ("PATH", "HOME", "NEURON_RT_VISIBLE_CORES", "NEURON_CC_FLAGS", "HF_HOME", "HF_HUB_OFFLINE")
+    return {k: os.environ[k] for k in keep if k in os.environ}
+
+
+class NeuronTarget(Target):
+    name = "neuron"
+    cfg: NeuronTargetConfig
+
+    def __init__(self, cfg: NeuronTargetConfig):
+        super().__init__(cfg)
+        self._hello: dict[str, Any] | None = None
+        self._why = ""
+
+    def hello(self) -> dict[str, Any] | None:
+        """Ask the worker what it sees (optimum-neuron version, NeuronCores); cached."""
+        if self._hello is None and not self._why:
+            try:
+                client = WorkerClient(self.cfg.python, self.cfg.timeout_s)
+                try:
+                    self._hello = client.call("hello")
+                finally:
+                    client.close()
+            except UserError as e:
+                self._why = str(e)
+        return self._hello
+
+    def hardware(self) -> Hardware | None:
+        info = self.hello()
+        if not info or not info.get("neuron_cores"):
+            self._why = self._why or (info or {}).get("missing") or \
+                "no NeuronCore visible to the worker (not an inf2/trn host?)"
+            return None
+        return Hardware(device="neuron", name=f"{info['neuron_cores']} NeuronCores")
+
+    def missing_reason(self) -> str:
+        return self._why
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # host side; the model itself lives in the worker
+
+    def supports(self, weights: Any, kv: Any) -> Support:
+        if self.hardware() is None:
+            return Support("unsupported", self.missing_reason())
+        from quantlab.schemes.kv import NoKV
+
+        if not isinstance(kv, NoKV):
+            return Support("unsupported", "quantized KV caches are not exposed by optimum-neuron")
+        return weight_support(weights)
+
+    def compile(self, model: torch.nn.Module) -> torch.nn.Module:
+        raise UserError("neuron: probes through the worker are not wired into the sweep yet; "
+                        "use `python -m quantlab.targets.neuron_worker` on the inf2 host")

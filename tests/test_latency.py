@@ -1,0 +1,110 @@
+"""Latency probe details: grid, repetition rule, stage breakdown, roofline, energy."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantlab import models
+from quantlab.config import LatencyProbeConfig, ModelConfig, TinyModelConfig
+from quantlab.probes import corpus, energy, latency, roofline, stages
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.tiny_model(ModelConfig(name="tiny", source="tiny")), models.byte_tokenizer()
+
+
+def test_grid_cells_primary_first():
+    cfg = LatencyProbeConfig(batch_size=1, prompt_tokens=64, grid_batch_sizes=[1, 4], grid_prompt_tokens=[32, 64])
+    assert latency.cells(cfg) == [(1, 64), (1, 32), (4, 32), (4, 64)]
+    assert latency.cells(LatencyProbeConfig(batch_size=2, prompt_tokens=8)) == [(2, 8)]
+
+
+def test_grid_metrics_per_cell(tiny):
+    model, tok = tiny
+    cfg = LatencyProbeConfig(prompt_tokens=16, new_tokens=4, repeats=2, grid_batch_sizes=[1, 3])
+    m, raw = latency.measure(model, tok, corpus.prompt_text(tok, 16), cfg)
+    assert {(b, p) for b, p, _ in raw} == {(1, 16), (3, 16)}
+    assert m["cell/b3_p16/tpot_ms_p50"] > 0 and m["cell/b1_p16/tpot_ms_p50"] == m["lat/tpot_ms_p50"]
+    assert m["cell/b3_p16/kv_mb"] == pytest.approx(3 * m["cell/b1_p16/kv_mb"])
+    csv = latency.samples_csv(raw)
+    assert csv.count(",tpot,") == len(raw) * 3 and csv.startswith("batch,prompt_tokens,request")
+
+
+def test_repeats_until_count_and_duration(tiny):
+    model, tok = tiny
+    cfg = LatencyProbeConfig(prompt_tokens=8, new_tokens=2, repeats=2, min_seconds=0.3, warmup=0)
+    _, runs = latency.measure_cell(model, tok, corpus.prompt_text(tok, 8), cfg, 1, 8)
+    assert len(runs) > 2 and sum(r.e2e_ms for r in runs) >= 0.2 * 1000 * 0.3
+    cfg = LatencyProbeConfig(prompt_tokens=8, new_tokens=2, repeats=2, min_seconds=60, max_repeats=4, warmup=0)
+    _, runs = latency.measure_cell(model, tok, corpus.prompt_text(tok, 8), cfg, 1, 8)
+    assert len(runs) == 4  # capped
+
+
+def test_stage_times_add_up_to_the_step():
+    """On a model big enough that its layers, not Python, dominate a step."""
+    model = models.tiny_model(ModelConfig(name="t", source="tiny", tiny=TinyModelConfig(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8)))
+    tok = models.byte_tokenizer()
+    samples, totals = stages.measure(model, tok, corpus.prompt_text(tok, 16), 16, steps=8, requests=2)
+    assert len(totals) == 16 and all(len(samples[k]) == 16 for k in ("embedding", "final_norm", "lm_head"))
+    layers = [k for k in samples if k.startswith("layer.")]
+    assert len(layers) == model.config.num_hidden_layers
+    parts = sum(sum(samples[k]) for k in ("embedding", "rotary", "final_norm", "lm_head", *layers))
+    assert parts == pytest.approx(sum(totals), rel=0.10)
+    csv, metrics = stages.table(samples, totals)
+    assert "decoder_layers_total" in csv and "stage/lm_head_sample_ms_p99" in metrics
+
+
+def test_bandwidth_is_bytes_times_rate():
+    u = roofline.utilisation(bytes_per_step=2e8, step_ms=10.0, peak_bytes_per_s=4e10)
+    assert u["bw/achieved_gb_s"] == pytest.approx(20.0) and u["bw/util"] == pytest.approx(0.5)
+
+
+def test_host_bandwidth_cached(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(roofline, "measure_read_bandwidth", lambda d: calls.append(d) or 1.5e10)
+    assert roofline.host_bandwidth(str(tmp_path), torch.device("cpu")) == 1.5e10
+    assert roofline.host_bandwidth(str(tmp_path), torch.device("cpu")) == 1.5e10
+    assert len(calls) == 1
+
+
+def test_measured_bandwidth_is_plausible():
+    bw = roofline.measure_read_bandwidth(torch.device("cpu"), mbytes=64, repeats=2)
+    assert 1e9 < bw < 1e12
+
+
+def test_energy_absent_with_reason_without_counter(monkeypatch, tmp_path):
+    monkeypatch.setattr(energy, "RAPL", tmp_path / "no-powercap")
+    counter, why = energy.open_counter(torch.device("cpu"))
+    assert counter is None and "no RAPL powercap zone" in why
+
+
+def test_rapl_counter_reads_and_wraps(monkeypatch, tmp_path):
+    zone = tmp_path / "intel-rapl:0"
+    zone.mkdir()
+    (zone / "energy_uj").write_text("5000000\n")
+    (zone / "max_energy_range_uj").write_text("10000000\n")
+    monkeypatch.setattr(energy, "RAPL", tmp_path)
+    counter, why = energy.open_counter(torch.device("cpu"))
+    assert why == "" and counter.read() == 5.0
+    assert counter.delta(9.0, 1.0) == pytest.approx(2.0)  # wrapped at 10 J
+
+
+def test_point_logs_energy_reason_not_zero(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from quantlab.pipeline import run_point
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["model=tiny", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                       f"tracking.artifact_root={tmp_path}/a", "probe.latency.repeats=1"])
+    res = run_point(cfg)
+    run = MlflowClient(f"sqlite:///{tmp_path}/m.db").get_run(res.run_id)
+    has_counter = energy.open_counter(torch.device("cpu"))[0] is not None
+    assert ("energy/joules" in run.data.metrics) == has_counter
+    if not has_counter:
+        assert run.data.tags["energy.reason"]
+    m = run.data.metrics
+    assert m["bw/achieved_gb_s"] > 0 and 0 < m["bw/util"] and m["sys/load1"] >= 0
+    assert "stage/decoder_layers_total_ms_p50" in m
