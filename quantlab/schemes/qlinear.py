@@ -32,14 +32,18 @@ def rtn_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int4_qparams(g: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and offset of int4 groups along the last dim, so that a weight is
-    stored as ``q in [0, 15]`` and read back as ``q * scale + offset``.
-    Symmetric: levels -8..7 around 0, scale = amax / 7. Asymmetric: the
-    group's [min, max] spread over the 16 levels."""
+    stored as ``q in [0, 15]`` and read back as ``q * scale + offset``, with
+    ``offset = -zero_point * scale`` for an *integer* zero point (the GPTQ, AWQ
+    and compressed-tensors convention, so exports hold the very same integers).
+    Symmetric: zero point 8, scale = amax / 7. Asymmetric: the group's range
+    (widened to include 0) over the 16 levels."""
     if symmetric:
         scale = g.abs().amax(-1).clamp_min(1e-8) / 7.0
         return scale, -8.0 * scale
-    lo, hi = g.amin(-1), g.amax(-1)
-    return ((hi - lo) / 15.0).clamp_min(1e-8), lo
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-8)
+    zero_point = torch.round(-lo / scale).clamp(0, 15)
+    return scale, -zero_point * scale
 
 
 def int4_quantize(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -84,6 +88,10 @@ class Int8Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scale.float()[:, None]
 
+    def int_weights(self) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """``(q [N, K] in -127..127, scale [N, 1], None)``: symmetric, ``w = q * scale``."""
+        return self.qweight.float(), self.scale.float()[:, None], None
+
 
 class Int4Linear(nn.Module):
     _N_ALIGN = 16  # the CPU packing kernel needs N % 16 == 0; pad and slice
@@ -126,6 +134,17 @@ class Int4Linear(nn.Module):
         w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed, self.group_size, self.scales_and_zeros)
         return w_t[:, : self.out_features].T.float()
+
+    def int_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q [N, K] in 0..15, scale [N, K/g], zero_point [N, K/g])`` with
+        ``w = (q - zero_point) * scale``, recovered from the packed kernel data."""
+        sz = self.scales_and_zeros.float().transpose(0, 1)[: self.out_features]  # [N, K/g, 2]
+        scale, zero = sz[..., 0], sz[..., 1]
+        zero_point = torch.round(8 - zero / scale)
+        n, k, g = self.out_features, self.in_features, self.group_size
+        w = self.dequantize().reshape(n, k // g, g)
+        q = torch.round(w / scale[..., None] + zero_point[..., None]).clamp(0, 15)
+        return q.reshape(n, k), scale, zero_point
 
 
 class FP8Linear(nn.Module):

@@ -1,0 +1,319 @@
+"""Export a sweep point as a checkpoint that transformers (and vLLM) load.
+
+    python -m quantlab.export --run RUN_ID --out exports/int8
+    python -m quantlab.export --sweep fp8_vs_int4 --budget 0.01 --out exports/best --register smollm2-best
+
+The point is rebuilt from the run's logged ``config.yaml`` (same quantizer,
+same integers), then written as:
+
+* float schemes: plain safetensors in the scheme's dtype;
+* int8 / int4 RTN / GPTQ / FP8: compressed-tensors (the format vLLM loads,
+  and transformers decompresses on load): int8 per channel and asymmetric int4
+  as ``int-quantized``, symmetric int4 as ``pack-quantized``, FP8 as
+  ``float-quantized``. (Asymmetric ``pack-quantized`` zero points do not reload
+  in transformers 5.24: a shape mismatch on ``weight_zero_point``.)
+
+Then a fresh process reloads the directory (safetensors only, no remote code)
+and compares its logits and greedy text with the in-memory point; the export is
+renamed into place only when that round trip is within tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
+
+from quantlab import hardware, models, tracking
+from quantlab.config import RunConfig, TrackingConfig, register_configs
+from quantlab.errors import UserError
+from quantlab.probes import corpus
+from quantlab.schemes import registry
+from quantlab.schemes.qlinear import FP8Linear, Int4Linear, Int8Linear
+
+log = logging.getLogger("quantlab")
+
+KL_TOLERANCE = 1e-3  # mean KL(point || reload) over the check tokens
+CHECK_TOKENS = 64
+GREEDY_TOKENS = 16
+
+
+def config_from_dict(d: dict) -> RunConfig:
+    """Inverse of ``pipeline.config_dict``: polymorphic slots by their type name."""
+    from quantlab.config import (CPUTargetConfig, CUDATargetConfig, ModelConfig, NeuronTargetConfig,
+                                 ProbeConfig, SchemeConfig)
+
+    register_configs()
+    types = {t.__name__: t for t in (*registry.weight_schemas().values(), *registry.kv_schemas().values(),
+                                     CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig)}
+
+    def poly(node: dict):
+        node = dict(node)
+        return types[node.pop("type")](**node)
+
+    def typed(cls, node: dict):
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+
+    rest = {k: v for k, v in d.items() if k not in ("model", "scheme", "target", "probe", "tracking")}
+    return RunConfig(model=typed(ModelConfig, d["model"]),
+                     scheme=SchemeConfig(weights=poly(d["scheme"]["weights"]), kv=poly(d["scheme"]["kv"])),
+                     target=poly(d["target"]), probe=typed(ProbeConfig, d["probe"]),
+                     tracking=typed(TrackingConfig, d["tracking"]), **rest)
+
+
+def rebuild(cfg: RunConfig):
+    """The point's model on CPU, quantized exactly as the sweep did."""
+    model, tok = models.load(cfg.model, cfg.cache_dir)
+    ctx = registry.ApplyContext(hw=hardware.cpu(), tokenizer=tok, cache_dir=cfg.cache_dir,
+                                data_dir=cfg.data_dir, seed=cfg.seed)
+    w = cfg.scheme.weights
+    registry.weights_handler(w).apply(model, w, ctx)
+    return model.eval(), tok
+
+
+def _ct_config(model, cfg):
+    """compressed-tensors QuantizationConfig for the quantized modules of ``model``."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    mods = {type(m) for m in model.modules()}
+    if Int4Linear in mods:
+        w = cfg.scheme.weights
+        args = QuantizationArgs(num_bits=4, type="int", symmetric=w.symmetric, group_size=w.group_size,
+                                strategy="group")
+        fmt = "pack-quantized" if w.symmetric else "int-quantized"
+    elif Int8Linear in mods:
+        args, fmt = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized"
+    elif FP8Linear in mods:
+        args, fmt = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized"
+    else:
+        return None, None
+    targets = sorted({n for n, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear, FP8Linear))})
+    scheme = QuantizationScheme(targets=targets, weights=args)
+    return QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="frozen"), fmt
+
+
+def write_checkpoint(model, tok, cfg: RunConfig, dest: Path) -> str:
+    """Write ``model`` (a rebuilt point) to ``dest``; returns the format name."""
+    w = cfg.scheme.weights
+    if type(w).__name__ == "FloatScheme":
+        model.save_pretrained(dest, safe_serialization=True)
+        tok.save_pretrained(dest)
+        return f"hf-{w.dtype}"
+    qcfg, fmt = _ct_config(model, cfg)
+    if qcfg is None:
+        raise UserError(f"export of {w.short_name()} is not supported (no compressed-tensors mapping; "
+                        "bitsandbytes NF4/FP4 points cannot be rebuilt into a loadable checkpoint yet)")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import apply_quantization_config
+
+    dtype = getattr(torch, getattr(w, "compute_dtype", "bfloat16"))
+    # Compress in fp32 so that compressed-tensors re-derives exactly our integers
+    # (w = (q - zp) * s is exact in fp32, not in bf16); cast afterwards.
+    dense, _ = models.load(cfg.model, cfg.cache_dir)
+    dense.load_state_dict({k: v.float() for k, v in model.state_dict().items() if k in dense.state_dict()},
+                          strict=False)  # non-quantized parameters exactly as the point holds them
+    apply_quantization_config(dense, qcfg)
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (Int4Linear, Int8Linear, FP8Linear)):
+            continue
+        target = dense.get_submodule(name)
+        if isinstance(mod, FP8Linear):
+            target.weight.data = mod.dequantize().to(target.weight.dtype)
+            target.weight_scale.data = mod.scale[:, None].to(target.weight_scale.dtype)
+            continue
+        q, scale, zp = mod.int_weights()
+        n, k = q.shape
+        groups = scale.shape[1]
+        zp_full = torch.zeros_like(scale) if zp is None else zp
+        w_f = ((q.reshape(n, groups, k // groups) - zp_full[..., None]) * scale[..., None]).reshape(n, k)
+        target.weight.data = w_f.to(target.weight.dtype)
+        target.weight_scale.data = scale.to(target.weight_scale.dtype)
+        if zp is not None and hasattr(target, "weight_zero_point"):
+            target.weight_zero_point.data = (zp - 8).to(target.weight_zero_point.dtype)  # ct int4: -8..7
+    compressor = ModelCompressor.from_pretrained_model(dense, quantization_format=fmt)
+    compressor.compress_model(dense)
+    for name, p in dense.named_parameters():  # scales stay fp32: exact, and small
+        if p.is_floating_point() and not name.endswith(("weight_scale", "weight_zero_point")) \
+                and p.dtype == torch.float32:
+            p.data = p.data.to(dtype)
+    dense.config.dtype = dtype
+    dense.save_pretrained(dest, safe_serialization=True)
+    compressor.update_config(str(dest))
+    tok.save_pretrained(dest)
+    return f"compressed-tensors/{fmt}"
+
+
+def check_input(tok) -> torch.Tensor:
+    return corpus.token_ids(tok, "builtin", CHECK_TOKENS)
+
+
+@torch.inference_mode()
+def logits_and_greedy(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    greedy = model.generate(ids[:, :16], max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                            do_sample=False)[0, 16:]
+    return logits, greedy
+
+
+def verify_in_fresh_process(dest: Path, reference: Path, trust_remote_code: bool = False) -> dict:
+    """Reload ``dest`` in a new interpreter; compare with the saved reference."""
+    cmd = [sys.executable, "-m", "quantlab.export", "--verify", str(dest), "--reference", str(reference)]
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"round trip: reloading {dest.name} failed: {tail}")
+    return json.loads(lines[-1])
+
+
+def _verify_main(dest: str, reference: str, trust_remote_code: bool) -> int:
+    from transformers import AutoModelForCausalLM
+
+    ref = load_file(reference)
+    model = AutoModelForCausalLM.from_pretrained(dest, use_safetensors=True,
+                                                 trust_remote_code=trust_remote_code).eval()
+    logits, greedy = logits_and_greedy(model, ref["ids"])
+    p, q = torch.log_softmax(ref["logits"].double(), -1), torch.log_softmax(logits.double(), -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    print(json.dumps({"max_abs_diff": float((logits - ref["logits"]).abs().max()),
+                      "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                      "top1_agree": float((logits.argmax(-1) == ref["logits"].argmax(-1)).double().mean()),
+                      "greedy_match": bool(torch.equal(greedy, ref["greedy"]))}))
+    return 0
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def export_run(client, run_id: str, out: Path, force: bool = False, register: str | None = None,
+               tolerance: float = KL_TOLERANCE) -> dict:
+    """Rebuild, write, verify, rename into place, log and (optionally) register."""
+    if out.exists() and not force:
+        raise UserError(f"{out} exists; pass --force to replace it")
+    run = client.get_run(run_id)
+    with tempfile.TemporaryDirectory() as d:
+        cfg_path = client.download_artifacts(run_id, "config.yaml", d)
+        cfg = config_from_dict(yaml.safe_load(Path(cfg_path).read_text()))
+    log.info("export: rebuilding %s from run %s", run.info.run_name, run_id)
+    model, tok = rebuild(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        fmt = write_checkpoint(model, tok, cfg, tmp)
+        ids = check_input(tok)
+        logits, greedy = logits_and_greedy(model, ids)
+        ref_file = Path(tempfile.mkdtemp()) / "reference.safetensors"
+        save_file({"ids": ids, "logits": logits.contiguous(), "greedy": greedy}, ref_file)
+        check = verify_in_fresh_process(tmp, ref_file)
+        check["tolerance_kl_mean"] = tolerance
+        check["passed"] = check["kl_mean"] <= tolerance
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {"source_run_id": run_id, "run_name": run.info.run_name, "format": fmt,
+                    "scheme": cfg.scheme.weights.to_dict(), "model": dataclasses.asdict(cfg.model),
+                    "metrics": run.data.metrics, "versions": tracking.versions(
+                        ("torch", "transformers", "compressed-tensors", "torchao", "quantlab")),
+                    "round_trip": check, "files_sha256": files,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (tmp / "quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
+        tags = {"export.format": fmt, "export.round_trip": "passed" if check["passed"] else "failed",
+                "export.kl_mean": f"{check['kl_mean']:.3e}", "export.greedy_match": str(check["greedy_match"])}
+        tracking.set_tags(client, run_id, tags)
+        if not check["passed"]:
+            raise UserError(f"round trip failed: KL {check['kl_mean']:.3e} > {tolerance:g} "
+                            f"(max |diff| {check['max_abs_diff']:.3g}); nothing written to {out}")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    client.log_artifacts(run_id, str(out), artifact_path="export")
+    if register:
+        _register(client, register, run, fmt)
+    log.info("export: %s written (%s), round trip KL %.2e, greedy text %s", out, fmt, check["kl_mean"],
+             "identical" if check["greedy_match"] else "DIFFERENT")
+    return manifest
+
+
+def _register(client, name: str, run, fmt: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
+            raise
+    keys = ("fid/kl_mean", "lat/tpot_ms_p50", "size/weight_mb", "size/bits_per_weight")
+    tags = {k: f"{run.data.metrics[k]:.4g}" for k in keys if k in run.data.metrics}
+    tags.update({"format": fmt, "scheme": run.data.tags.get("scheme", "?")})
+    source = f"{run.info.artifact_uri}/export"
+    client.create_model_version(name, source, run_id=run.info.run_id, tags=tags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m quantlab.export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", help="MLflow run id of the point")
+    ap.add_argument("--sweep", help="sweep name or parent run id: export its recommended point")
+    ap.add_argument("--budget", type=float, default=0.01, help="with --sweep: which recommendation")
+    ap.add_argument("--out", help="directory to write (must not exist unless --force)")
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--register", help="register the export in the MLflow Model Registry under this name")
+    ap.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
+    ap.add_argument("--experiment", default="quantlab")
+    ap.add_argument("--verify", help=argparse.SUPPRESS)
+    ap.add_argument("--reference", help=argparse.SUPPRESS)
+    ap.add_argument("--trust-remote-code", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.verify:
+        return _verify_main(args.verify, args.reference, args.trust_remote_code)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
+    try:
+        client, exp = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
+                                                      artifact_root=None))
+        run_id = args.run or _recommended(client, exp, args.sweep, args.budget)
+        if not args.out:
+            raise UserError("--out DIR is required")
+        export_run(client, run_id, Path(args.out), args.force, args.register)
+    except UserError as e:
+        print(f"quantlab.export: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _recommended(client, exp: str, sweep: str | None, budget: float) -> str:
+    from quantlab.report import _find_parent
+
+    if not sweep:
+        raise UserError("give --run RUN_ID or --sweep NAME")
+    parent = _find_parent(client, exp, sweep)
+    name = client.get_run(parent).data.tags.get(f"recommended.{budget:g}")
+    if not name:
+        raise UserError(f"sweep {sweep!r} has no recommendation for budget {budget:g}")
+    for r in tracking.children(client, exp, parent):
+        if r.info.run_name == name:
+            return r.info.run_id
+    raise UserError(f"recommended point {name!r} not found under sweep {sweep!r}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""Export: checkpoints transformers reloads, round trip enforced, atomic, no overwrite, registry."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file, save_file
+
+from quantlab import export
+from quantlab.errors import UserError
+from quantlab.pipeline import run_point
+from tests.conftest import compose_cfg
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("exp")
+    uri = f"sqlite:///{d}/m.db"
+    ids = {}
+    for scheme in ("int8", "int4-g32", "int4-g32-sym", "fp8-e4m3", "bf16"):
+        cfg = compose_cfg(["model=tiny", f"scheme/weights={scheme}", f"tracking.uri={uri}",
+                           f"tracking.artifact_root={d}/a", "probe.latency.repeats=1", "probe.latency.stages=false",
+                           "probe.cache.enabled=false"])
+        ids[scheme] = run_point(cfg).run_id
+    return MlflowClient(uri), ids, d
+
+
+@pytest.mark.parametrize("scheme,fmt", [("int8", "compressed-tensors/int-quantized"),
+                                        ("int4-g32", "compressed-tensors/int-quantized"),
+                                        ("int4-g32-sym", "compressed-tensors/pack-quantized"),
+                                        ("fp8-e4m3", "compressed-tensors/float-quantized"),
+                                        ("bf16", "hf-bfloat16")])
+def test_export_reloads_with_same_greedy_text(store, scheme, fmt, tmp_path):
+    client, ids, _ = store
+    out = tmp_path / scheme
+    manifest = export.export_run(client, ids[scheme], out)
+    assert manifest["format"] == fmt
+    rt = manifest["round_trip"]
+    assert rt["passed"] and rt["greedy_match"] and rt["kl_mean"] < 1e-4
+    written = json.loads((out / "quantlab.json").read_text())
+    assert written["source_run_id"] == ids[scheme]
+    assert set(written["files_sha256"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert not list(tmp_path.glob(".*tmp*"))
+    tags = client.get_run(ids[scheme]).data.tags
+    assert tags["export.round_trip"] == "passed" and tags["export.format"] == fmt
+    if fmt.startswith("compressed"):
+        assert "quantization_config" in json.loads((out / "config.json").read_text())
+
+
+def test_export_holds_the_same_integers(store, tmp_path):
+    """The int8 checkpoint stores exactly the integers the point computed with."""
+    from quantlab.export import config_from_dict, rebuild
+    import yaml
+
+    client, ids, d = store
+    out = tmp_path / "int8"
+    export.export_run(client, ids["int8"], out)
+    tensors = load_file(out / "model.safetensors")
+    stored = tensors["model.layers.0.mlp.down_proj.weight"]
+    assert stored.dtype == torch.int8
+    cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int8"], "config.yaml", str(tmp_path))).read_text()))
+    model, _ = rebuild(cfg)
+    assert torch.equal(stored, model.model.layers[0].mlp.down_proj.qweight)
+
+
+def test_corrupted_tensor_fails_round_trip_and_writes_nothing(store, tmp_path, monkeypatch):
+    client, ids, _ = store
+    real = export.write_checkpoint
+
+    def corrupt(model, tok, cfg, dest):
+        fmt = real(model, tok, cfg, dest)
+        f = dest / "model.safetensors"
+        t = load_file(f)
+        for key in [k for k in t if k.endswith("weight_scale")]:  # a sign-flipped, inflated scale
+            t[key] = t[key] * -8
+        save_file(t, f, metadata={"format": "pt"})
+        return fmt
+
+    monkeypatch.setattr(export, "write_checkpoint", corrupt)
+    with pytest.raises(UserError, match="round trip failed: KL"):
+        export.export_run(client, ids["int4-g32"], tmp_path / "bad")
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tmp-*"))
+    assert client.get_run(ids["int4-g32"]).data.tags["export.round_trip"] == "failed"
+
+
+def test_interrupted_export_leaves_no_half_directory(store, tmp_path, monkeypatch):
+    client, ids, _ = store
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "verify_in_fresh_process", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export.export_run(client, ids["int8"], tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_to_overwrite_without_force(store, tmp_path):
+    client, ids, _ = store
+    out = tmp_path / "keep"
+    out.mkdir()
+    (out / "mine.txt").write_text("precious")
+    with pytest.raises(UserError, match="exists; pass --force"):
+        export.export_run(client, ids["int8"], out)
+    assert (out / "mine.txt").read_text() == "precious"
+    export.export_run(client, ids["int8"], out, force=True)
+    assert not (out / "mine.txt").exists() and (out / "quantlab.json").is_file()
+
+
+def test_registry_entry_created_with_metric_tags(store, tmp_path):
+    client, ids, _ = store
+    export.export_run(client, ids["int4-g32"], tmp_path / "reg", register="quantlab-tiny")
+    (mv,) = client.search_model_versions("name='quantlab-tiny'")
+    assert mv.run_id == ids["int4-g32"] and mv.tags["scheme"] == "int4-g32"
+    assert "fid/kl_mean" in mv.tags and mv.tags["format"] == "compressed-tensors/int-quantized"
+    assert "export/quantlab.json" in {a.path for a in client.list_artifacts(ids["int4-g32"], "export")}
+
+
+def test_cli_errors_are_one_line(store, tmp_path, capsys):
+    client, ids, _ = store
+    uri = client.tracking_uri
+    assert export.main(["--tracking-uri", uri, "--sweep", "nope", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.startswith("quantlab.export: no sweep 'nope'")
+    assert export.main(["--tracking-uri", uri, "--run", ids["int8"]]) == 2
+    assert "--out DIR is required" in capsys.readouterr().err
