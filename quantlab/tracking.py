@@ -72,6 +72,8 @@ def connect(cfg: TrackingConfig) -> tuple[MlflowClient, str]:
             db.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"tracking store {uri}: cannot create {db.parent}: {e.strerror}") from e
+    if uri.startswith(("http://", "https://")):
+        _check_server(uri)
     client = MlflowClient(tracking_uri=uri)
     try:
         exp = client.get_experiment_by_name(cfg.experiment)
@@ -83,6 +85,21 @@ def connect(cfg: TrackingConfig) -> tuple[MlflowClient, str]:
         return client, client.create_experiment(cfg.experiment, artifact_location=artifacts)
     except mlflow.exceptions.MlflowException as e:
         raise UserError(f"tracking store {uri} unusable: {str(e).splitlines()[0]}") from e
+
+
+def _check_server(uri: str, timeout: float = 5.0) -> None:
+    """One quick request, so an unreachable server fails in seconds rather than
+    after MLflow's retries with backoff (minutes)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout)
+    except urllib.error.HTTPError:
+        return  # it answered: a proxy or an older server without /health
+    except OSError as e:
+        reason = getattr(e, "reason", e)
+        raise UserError(f"tracking store {uri} unusable: server unreachable ({reason})") from e
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:

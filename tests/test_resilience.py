@@ -141,3 +141,16 @@ def test_sweep_file_without_package_header_warns(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("hydra:\n  mode: MULTIRUN\n")
     assert "silently run ONE point" in _check_sweep_file(bad)[0]
+
+
+def test_two_joblib_workers_log_every_point_once(tmp_path):
+    uri, store = _store(tmp_path)
+    proc = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=tiny",
+                    "scheme/weights=fp32,bf16,fp16,int8", "probe.latency.repeats=1", *store])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    finished = _runs(uri, "FINISHED")
+    assert sorted(r.info.run_name for r in finished) == ["bf16@cpu", "fp16@cpu", "fp32@cpu", "int8@cpu"]
+    parents = {r.data.tags[tracking.PARENT_TAG] for r in finished}
+    assert len(parents) == 1  # the workers inherited the sweep's parent run
+    pids = {r.data.tags[tracking.PID_TAG] for r in finished}
+    assert len(pids) == 2  # really two worker processes

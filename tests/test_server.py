@@ -1,0 +1,106 @@
+"""A team tracking server: ``mlflow server`` on PostgreSQL, bound to loopback,
+fed by a 2-worker joblib sweep. Marked ``server``; needs PostgreSQL's server
+binaries (.ci/run installs Debian's postgresql) and psycopg2."""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from quantlab import tracking
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.server
+
+
+def _pg_bin(name: str) -> str | None:
+    hits = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return hits[-1] if hits else shutil.which(name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+    if not (initdb and pg_ctl):
+        pytest.skip("PostgreSQL server binaries not installed")
+    pytest.importorskip("psycopg2")
+    root = Path(tempfile.mkdtemp(prefix="quantlab-pg-", dir="/tmp"))
+    root.chmod(0o777)
+    as_pg = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    data, port = root / "data", _free_port()
+    subprocess.run([*as_pg, initdb, "-D", str(data), "-U", "postgres", "--auth=trust"], check=True,
+                   capture_output=True)
+    subprocess.run([*as_pg, pg_ctl, "-D", str(data), "-l", str(root / "pg.log"), "-w", "-o",
+                    f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"], check=True,
+                   capture_output=True)
+    try:
+        subprocess.run([*as_pg, _pg_bin("createdb") or "createdb", "-h", "127.0.0.1", "-p", str(port),
+                        "-U", "postgres", "mlflow"], check=True, capture_output=True)
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/mlflow", root
+    finally:
+        subprocess.run([*as_pg, pg_ctl, "-D", str(data), "-m", "fast", "stop"], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(postgres):
+    backend, root = postgres
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend,
+                             "--artifacts-destination", f"file://{root}/artifacts",
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+                break
+        except OSError:
+            time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail("mlflow server did not come up: " + (root / "server.log").read_text()[-2000:])
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_two_workers_against_postgres_server(mlflow_server):
+    points = ["fp32", "bf16", "fp16", "int8"]
+    proc = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=tiny",
+                    f"scheme/weights={','.join(points)}", "probe.latency.repeats=1",
+                    "tracking=server", f"tracking.uri={mlflow_server}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id], max_results=100)
+    children = [r for r in runs if tracking.PARENT_TAG in r.data.tags]
+    assert sorted(r.info.run_name for r in children) == sorted(f"{p}@cpu" for p in points)
+    assert all(r.info.status == "FINISHED" for r in children)
+    assert len({r.data.tags[tracking.HASH_TAG] for r in children}) == len(points)
+    assert "config.yaml" in {a.path for a in client.list_artifacts(children[0].info.run_id)}
+
+
+def test_unreachable_server_fails_before_any_work():
+    port = _free_port()  # nothing listens there
+    proc = run_cli(["+sweep=smoke", "model=tiny", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}"],
+                   timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"quantlab: tracking store http://127.0.0.1:{port} unusable")
+    assert "loading model" not in proc.stdout
