@@ -1,7 +1,8 @@
 """Scheme x target -> real / emulated / unsupported (reason), from the same
 ``supports()`` the sweep asks before running a point.
 
-    python -m quantlab.capabilities            # every weight and KV preset, every target
+    python -m quantlab.capabilities                    # every preset x every target, this machine
+    python -m quantlab.capabilities --assume-cuda 9.0  # plus a column for a GPU of that capability
 """
 from __future__ import annotations
 
@@ -41,6 +42,23 @@ def matrix() -> dict[tuple[str, str, str], tuple[str, str]]:
     return out
 
 
+def assumed_cuda(capability: tuple[int, int]) -> dict[tuple[str, str, str], tuple[str, str]]:
+    """What each preset would be on a CUDA GPU of ``capability`` (no GPU needed)."""
+    from quantlab.hardware import Hardware
+    from quantlab.schemes.registry import kv_handler, weights_handler
+
+    hw = Hardware(device="cuda", name=f"assumed sm_{capability[0]}{capability[1]}", cuda_capability=capability)
+    col = f"cuda sm_{capability[0]}{capability[1]} (assumed)"
+    out = {}
+    for name, w in _objects("scheme/weights").items():
+        s = weights_handler(w).support(w, hw)
+        out[("weights", name, col)] = (s.status, s.reason)
+    for name, kv in _objects("scheme/kv").items():
+        s = kv_handler(kv).support(kv, hw)
+        out[("kv", name, col)] = (s.status, s.reason)
+    return out
+
+
 def render(m: dict[tuple[str, str, str], tuple[str, str]]) -> str:
     tnames = sorted({t for _, _, t in m})
     rows = sorted({(g, n) for g, n, _ in m})
@@ -57,8 +75,17 @@ def render(m: dict[tuple[str, str, str], tuple[str, str]]) -> str:
     return "\n".join(lines + ["", *notes]) + "\n"
 
 
-def main() -> None:
-    print(render(matrix()))
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m quantlab.capabilities")
+    ap.add_argument("--assume-cuda", help="add a column for a CUDA GPU of this capability, e.g. 9.0")
+    args = ap.parse_args(argv)
+    m = matrix()
+    if args.assume_cuda:
+        major, minor = (int(x) for x in args.assume_cuda.split("."))
+        m.update(assumed_cuda((major, minor)))
+    print(render(m))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import time
 
@@ -43,6 +44,7 @@ class SweepCallback(Callback):
                 "git_commit": tracking.git_commit(), **tracking.versions()}
         parent = tracking.start_run(client, exp_id, name, tags, params=params)
         os.environ[PARENT_ENV] = parent
+        _log_capabilities(client, parent)
         log.info("sweep %s: parent run %s in %s", sweep, parent, config.tracking.uri)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
@@ -80,3 +82,14 @@ def _log_recovery(client, parent: str, runs, choice: str) -> None:
             rec = report.recovery(r.data.metrics, base.data.metrics)
             if rec:
                 tracking.log_metrics(client, r.info.run_id, rec)
+
+
+def _log_capabilities(client, parent: str) -> None:
+    """The scheme x target matrix of this environment, on the parent run. In a
+    subprocess: Hydra is initialised here and the matrix composes every preset."""
+    proc = subprocess.run([sys.executable, "-m", "quantlab.capabilities"], capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode == 0:
+        tracking.log_text(client, parent, proc.stdout, "capabilities.md")
+    else:
+        log.warning("capability matrix not logged: %s", (proc.stderr.strip().splitlines() or ["?"])[-1])

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient

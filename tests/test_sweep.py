@@ -66,7 +66,8 @@ def test_summary_table_printed_and_logged(smoke_sweep):
     proc, client, runs = smoke_sweep
     assert "| fp32@cpu" in proc.stdout and "TPOT p50 ms" in proc.stdout
     parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
-    assert {"report.md", "pareto.png", "pareto.html"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"report.md", "pareto.png", "pareto.html", "capabilities.md"} <= \
+        {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
 def test_unknown_scheme_is_one_line_listing_valid_names(tmp_path):

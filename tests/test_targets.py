@@ -135,3 +135,12 @@ def test_missing_neuron_environment_is_one_line():
     assert "\n" not in verdict.reason
     target = targets.get(NeuronTargetConfig(python=sys.executable))
     assert "optimum-neuron not importable" in target.supports(FloatScheme("bfloat16"), Int8KV()).reason
+
+
+def test_assumed_gpu_column():
+    m = capabilities.assumed_cuda((9, 0))
+    col = "cuda sm_90 (assumed)"
+    assert m[("weights", "fp8-w8a8", col)][0] == "real"
+    assert m[("weights", "fp8-e4m3", col)][0] == "emulated"
+    assert m[("weights", "int4-g64-sym", col)][0] == "unsupported"
+    assert capabilities.assumed_cuda((8, 0))[("weights", "fp8-w8a8", "cuda sm_80 (assumed)")][0] == "emulated"
