@@ -46,7 +46,11 @@ from quantlab.schemes.qlinear import FP8Linear, Int4Linear, Int8Linear
 
 log = logging.getLogger("quantlab")
 
-KL_TOLERANCE = 1e-3  # mean KL(point || reload) over the check tokens
+# Mean KL(point || reload) over the check tokens. The point multiplies with a
+# packed kernel, the reload with dense bf16 weights: on SmolLM2 that alone
+# measures 1.7e-3 for int8 (bf16 vs fp32 of the same weights: ~1e-3), so the
+# gate sits above that floor and far below any real corruption (> 0.1).
+KL_TOLERANCE = 5e-3
 CHECK_TOKENS = 64
 GREEDY_TOKENS = 16
 
