@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from quantlab.cli import GROUPS, presets
-from quantlab.config import (CPUTargetConfig, CUDATargetConfig, KVScheme, ModelConfig, ProbeConfig,
+from quantlab.config import (CPUTargetConfig, CUDATargetConfig, KVScheme, ModelConfig, NeuronTargetConfig, ProbeConfig,
                              RunConfig, WeightScheme)
 from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.kv import NoKV
@@ -20,7 +20,7 @@ def test_preset_composes_to_typed_config(group, preset):
     assert isinstance(cfg, RunConfig)
     assert isinstance(cfg.model, ModelConfig)
     assert isinstance(cfg.probe, ProbeConfig)
-    assert isinstance(cfg.target, (CPUTargetConfig, CUDATargetConfig))
+    assert isinstance(cfg.target, (CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig))
     assert isinstance(cfg.scheme.kv, KVScheme) and isinstance(cfg.scheme.weights, WeightScheme)
     assert cfg.scheme.weights.short_name()
     if group == "scheme/kv" and preset != "none":
