@@ -80,7 +80,8 @@ def tiny():
 def test_latency_probe_counts_and_ordering(tiny):
     model, tok = tiny
     cfg = LatencyProbeConfig(batch_size=2, prompt_tokens=24, new_tokens=5, warmup=1, repeats=3)
-    metrics, runs = latency.measure(model, tok, corpus.prompt_text(tok, 24), cfg)
+    metrics, raw = latency.measure(model, tok, corpus.prompt_text(tok, 24), cfg)
+    runs = [r for _, _, r in raw]
     assert len(runs) == 3 and all(len(r.step_ms) == 4 for r in runs)
     assert all(r.ttft_ms >= r.prefill_ms > 0 and min(r.step_ms) > 0 for r in runs)
     assert metrics["lat/tpot_ms_count"] == 12
