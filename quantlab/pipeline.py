@@ -9,6 +9,7 @@ sweep) goes on with the next one.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,7 +33,6 @@ from quantlab.schemes.registry import ApplyContext, kv_handler, weights_handler
 log = logging.getLogger("quantlab")
 
 PARENT_ENV = "QUANTLAB_PARENT_RUN_ID"
-REUSED_TAG = "quantlab.reused"
 ISOLATION = ("none", "process")
 
 
@@ -101,11 +101,12 @@ def run_point(cfg: RunConfig) -> PointResult:
     if not cfg.force and (done := tracking.find_finished(client, exp_id, phash)):
         log.info("[%s] already finished as run %s: reused (force=true re-runs)", name, done.info.run_id)
         if parent:
-            tracking.set_tags(client, parent, {f"{REUSED_TAG}.{phash}": done.info.run_id})
+            tracking.set_tags(client, parent, {f"{tracking.REUSED_TAG}.{phash}": done.info.run_id})
         return PointResult(done.info.run_id, name, "reused")
+    as_dict = config_dict(cfg)
     run_id = tracking.start_run(client, exp_id, name, base_tags(cfg), parent_id=parent,
-                                params=tracking.flatten(config_dict(cfg)))
-    tracking.log_text(client, run_id, yaml.safe_dump(config_dict(cfg), sort_keys=False), "config.yaml")
+                                params=tracking.flatten(as_dict))
+    tracking.log_text(client, run_id, yaml.safe_dump(as_dict, sort_keys=False), "config.yaml")
     if cfg.isolation == "process":
         return _run_in_subprocess(cfg, run_id, name, client)
     return _execute(cfg, run_id, name, client)
@@ -117,14 +118,18 @@ def _execute(cfg: RunConfig, run_id: str, name: str, client=None) -> PointResult
     try:
         outcome, reason = _measure(cfg, name, client, run_id)
     except (UserError, ValueError) as e:
-        outcome, reason = "failed", str(e).splitlines()[0] if str(e) else type(e).__name__
+        outcome, reason = "failed", _first_line(e) or type(e).__name__
         log.error("[%s] failed: %s", name, reason)
     except Exception as e:  # noqa: BLE001 - one point must never kill the sweep
-        outcome, reason = "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        outcome, reason = "failed", f"{type(e).__name__}: {_first_line(e)}"
         tracking.log_text(client, run_id, traceback.format_exc(), "traceback.txt")
         log.error("[%s] failed: %s (traceback logged to the run)", name, reason)
     tracking.end(client, run_id, outcome, reason)
     return PointResult(run_id, name, outcome, reason)
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
 
 
 def _child(cfg: RunConfig, run_id: str, name: str) -> None:
@@ -184,7 +189,6 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
         "support.reason": verdict.reason or "-",
         "backend.weights": applied_w.backend,
         "backend.kv": applied_kv.backend,
-        **applied_w.extra_tags,
     })
     metrics = size.weight_stats(model, n_params)
     runnable = target.compile(model)
@@ -198,13 +202,10 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
     if cfg.probe.cache.enabled:
         c = cfg.probe.cache
         n = c.prefix_tokens + c.continuation_tokens
-        try:
+        with _optional_probe("cache", name, client, run_id):
             wins = corpus.token_ids(tok, c.corpus, n * c.windows, cfg.data_dir).reshape(c.windows, n)
             log.info("[%s] cache probe (%d x %d tokens, chunk %d)", name, c.windows, n, c.chunk)
             metrics.update(cache_probe.probe(runnable, wins, c, applied_kv.cache_factory))
-        except UserError as e:
-            log.warning("[%s] cache probe skipped: %s", name, e)
-            tracking.set_tags(client, run_id, {"probe.cache.skipped": str(e)})
     if cfg.probe.latency.enabled:
         metrics.update(_latency(cfg, name, runnable, tok, applied_kv.cache_factory,
                                 metrics["size/weight_bytes"], client, run_id))
@@ -218,25 +219,30 @@ def _accuracy(cfg: RunConfig, name: str, model, tok, client, run_id: str) -> dic
     out: dict[str, float] = {}
     ppl = cfg.probe.perplexity
     if ppl.enabled:
-        try:
+        with _optional_probe("perplexity", name, client, run_id):
             ids = tok(perplexity.wikitext2_text(cfg.data_dir), add_special_tokens=False, return_tensors="pt")
             wins = perplexity.windows(ids["input_ids"][0], ppl.window, ppl.max_windows)
             log.info("[%s] perplexity probe (%d windows of %d tokens)", name, len(wins), ppl.window)
             out.update(perplexity.token_perplexity(model, wins))
-        except UserError as e:
-            log.warning("[%s] perplexity skipped: %s", name, e)
-            tracking.set_tags(client, run_id, {"probe.perplexity.skipped": str(e)})
     acc = cfg.probe.accuracy
     if acc.enabled:
-        try:
+        with _optional_probe("accuracy", name, client, run_id):
             log.info("[%s] lm-eval %s (limit %s)", name, ",".join(acc.tasks), acc.limit)
             metrics, results = accuracy.evaluate(model, tok, acc, cfg.data_dir, cfg.cache_dir, cfg.seed)
             out.update(metrics)
             tracking.log_text(client, run_id, json.dumps(results, indent=2, default=str), "lm_eval_results.json")
-        except UserError as e:
-            log.warning("[%s] lm-eval skipped: %s", name, e)
-            tracking.set_tags(client, run_id, {"probe.accuracy.skipped": str(e)})
     return out
+
+
+@contextlib.contextmanager
+def _optional_probe(probe: str, name: str, client, run_id: str):
+    """A probe whose data is missing (UserError) is skipped with a
+    ``probe.<probe>.skipped`` tag naming what it expected; the point goes on."""
+    try:
+        yield
+    except UserError as e:
+        log.warning("[%s] %s probe skipped: %s", name, probe, e)
+        tracking.set_tags(client, run_id, {f"probe.{probe}.skipped": str(e)})
 
 
 def _latency(cfg: RunConfig, name: str, model, tok, cache_factory, weight_bytes: float,

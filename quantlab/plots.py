@@ -8,6 +8,11 @@ from quantlab.pareto import Point, frontier
 COSTS = {"lat/tpot_ms_p50": "decode latency per token, P50 [ms]", "size/weight_mb": "weight memory [MiB]"}
 
 
+def _frontier(cost_key: str, pts: list[Point]) -> list[Point]:
+    """Memory is real even for emulated points; their latency is not."""
+    return frontier(pts if cost_key.startswith("size/") else [p for p in pts if not p.emulated])
+
+
 def png(panels: dict[str, list[Point]], loss_label: str, path: Path, title: str) -> Path:
     """One panel per cost axis; frontier joined by a line; emulated points hollow
     red crosses labelled "(emulated)" so nobody reads their latency as real."""
@@ -20,8 +25,7 @@ def png(panels: dict[str, list[Point]], loss_label: str, path: Path, title: str)
     for ax, (cost_key, pts) in zip(axes[0], panels.items()):
         real = [p for p in pts if not p.emulated]
         emu = [p for p in pts if p.emulated]
-        # memory is real even for emulated points; latency is not
-        front = frontier(pts if cost_key.startswith("size/") else real)
+        front = _frontier(cost_key, pts)
         ax.scatter([p.cost for p in real], [p.loss for p in real], s=40, c="tab:blue", label="measured point")
         if emu:
             ax.scatter([p.cost for p in emu], [p.loss for p in emu], s=60, marker="x", c="tab:red",
@@ -61,7 +65,7 @@ def html(panels: dict[str, list[Point]], loss_label: str, path: Path, title: str
                     name="emulated (latency not real)" if emulated else "measured point",
                     showlegend=col == 1,
                     hovertemplate="%{text}<br>cost %{x:.3g}<br>loss %{y:.3g}<extra></extra>"), row=1, col=col)
-        front = frontier(pts if cost_key.startswith("size/") else [p for p in pts if not p.emulated])
+        front = _frontier(cost_key, pts)
         fig.add_trace(go.Scatter(x=[p.cost for p in front], y=[p.loss for p in front], mode="lines",
                                  line=dict(color="seagreen"), name="Pareto frontier", showlegend=col == 1),
                       row=1, col=col)

@@ -163,10 +163,9 @@ def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
     """Table + frontier + recommendations for one sweep; PNG/HTML plots in
     ``out_dir``; with ``log_to_run`` all of it goes to the parent run and the
     recommended child runs get a ``quantlab.recommended.<budget>`` tag."""
-    runs = tracking.children(client, experiment_id, parent_id)
-    tags = client.get_run(parent_id).data.tags
-    reused = [client.get_run(v) for k, v in tags.items() if k.startswith("quantlab.reused.")]
+    runs, reused = tracking.sweep_runs(client, experiment_id, parent_id)
     runs += reused
+    tags = client.get_run(parent_id).data.tags
     metric = decision_metric(runs, metric)
     text, recs = decide(runs, metric, budgets)
     sweep = tags.get(tracking.SWEEP_TAG, "?")

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from quantlab import report, tracking
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
-from quantlab.pipeline import PARENT_ENV, REUSED_TAG
+from quantlab.pipeline import PARENT_ENV
 
 log = logging.getLogger("quantlab")
 
@@ -52,12 +52,9 @@ class SweepCallback(Callback):
         if parent is None:
             return
         client, exp_id = tracking.connect(_tracking_cfg(config))
-        runs = tracking.children(client, exp_id, parent)
-        tags = client.get_run(parent).data.tags
-        reused = [client.get_run(v) for k, v in tags.items() if k.startswith(REUSED_TAG + ".")]
+        runs, reused = tracking.sweep_runs(client, exp_id, parent)
         _log_recovery(client, parent, runs + reused, config.get("recovery_baseline", "auto"))
-        runs = tracking.children(client, exp_id, parent)
-        text = report.build(client, exp_id, parent)
+        text = report.build(client, exp_id, parent)  # reads the runs again, recovery included
         print("\n" + text, flush=True)
         failed = [r for r in runs if r.data.tags.get(tracking.OUTCOME_TAG) == "failed"]
         counts = {o: sum(r.data.tags.get(tracking.OUTCOME_TAG) == o for r in runs)

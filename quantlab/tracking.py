@@ -32,6 +32,7 @@ SWEEP_TAG = "quantlab.sweep"
 OUTCOME_TAG = "quantlab.outcome"  # finished | skipped | failed
 REASON_TAG = "quantlab.reason"
 HASH_TAG = "point_hash"
+REUSED_TAG = "quantlab.reused"  # on a parent: quantlab.reused.<point_hash> = run id finished earlier
 HOST_TAG, PID_TAG, PID_START_TAG = "quantlab.host", "quantlab.pid", "quantlab.pid_start"
 _BATCH = 100  # MLflow's log_batch limit on params per call
 _LOCKED = ("database is locked", "database table is locked")
@@ -167,6 +168,14 @@ def children(client: MlflowClient, experiment_id: str, parent_id: str) -> list:
         [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'", max_results=5000
     )
     return sorted(runs, key=lambda r: r.info.start_time)
+
+
+@retry
+def sweep_runs(client: MlflowClient, experiment_id: str, parent_id: str) -> tuple[list, list]:
+    """A sweep's points: its own child runs, and the earlier finished runs it reused."""
+    tags = client.get_run(parent_id).data.tags
+    reused = [client.get_run(v) for k, v in tags.items() if k.startswith(REUSED_TAG + ".")]
+    return children(client, experiment_id, parent_id), reused
 
 
 @retry

@@ -38,18 +38,20 @@ def token_ids(tokenizer, corpus: str, n_tokens: int, data_dir: str | None = None
     base = text(corpus, data_dir)
     if corpus != "builtin":
         base = base[: 16 * n_tokens]  # enough text for n_tokens; skip tokenizing 1 MB
-    body = base
-    ids = tokenizer(body, add_special_tokens=False)["input_ids"]
-    while len(ids) < n_tokens:
-        body += "\n\n" + base
-        ids = tokenizer(body, add_special_tokens=False)["input_ids"]
+    _, ids = _repeat(tokenizer, base, n_tokens)
     return torch.tensor([ids[:n_tokens]], dtype=torch.long)
 
 
 def prompt_text(tokenizer, n_tokens: int) -> str:
     """Built-in text repeated until it tokenizes to at least ``n_tokens`` tokens."""
-    base = text("builtin", None)
+    return _repeat(tokenizer, text("builtin", None), n_tokens)[0]
+
+
+def _repeat(tokenizer, base: str, n_tokens: int) -> tuple[str, list[int]]:
+    """``base`` joined to itself until it tokenizes to at least ``n_tokens``."""
     body = base
-    while len(tokenizer(body, add_special_tokens=False)["input_ids"]) < n_tokens:
+    ids = tokenizer(body, add_special_tokens=False)["input_ids"]
+    while len(ids) < n_tokens:
         body += "\n\n" + base
-    return body
+        ids = tokenizer(body, add_special_tokens=False)["input_ids"]
+    return body, ids

@@ -56,12 +56,9 @@ def apply(model: torch.nn.Module, cfg: FP8Scheme, ctx: ApplyContext) -> Applied:
     dtype = getattr(torch, cfg.compute_dtype)
     linears = layers.select(model, cfg.skip)
     if support(cfg, ctx.hw).status == "real":
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
-        names = {n for n, _ in linears}
-        model.to(device="cuda", dtype=dtype)
-        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
-                  filter_fn=lambda m, fqn: fqn in names)
+        layers.torchao_quantize(model, linears, dtype, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
         return Applied(backend="torchao.Float8DynamicActivationFloat8WeightConfig", emulated=False)
     for name, lin in linears:
         layers.replace(model, name, FP8Linear(lin.weight, lin.bias, FORMATS[cfg.format], dtype,

@@ -44,12 +44,10 @@ def apply(model: torch.nn.Module, cfg: Int4Scheme, ctx: ApplyContext) -> Applied
     linears = layers.select(model, cfg.skip)
     layers.check_group_size(linears, cfg.group_size, cfg.short_name())
     if ctx.hw.device == "cuda":
-        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+        from torchao.quantization import Int4WeightOnlyConfig
 
-        names = {n for n, _ in linears}
-        model.to(device="cuda", dtype=dtype)
         config = Int4WeightOnlyConfig(group_size=cfg.group_size, int4_packing_format="tile_packed_to_4d")
-        quantize_(model, config, filter_fn=lambda m, fqn: fqn in names)
+        layers.torchao_quantize(model, linears, dtype, config)
         return Applied(backend="torchao.Int4WeightOnlyConfig", emulated=False)
     for name, lin in linears:
         layers.replace(model, name, Int4Linear.from_linear(lin, cfg.group_size, cfg.symmetric, dtype))

@@ -33,11 +33,9 @@ def apply(model: torch.nn.Module, cfg: Int8Scheme, ctx: ApplyContext) -> Applied
     dtype = getattr(torch, cfg.compute_dtype)
     linears = layers.select(model, cfg.skip)
     if ctx.hw.device == "cuda":
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import Int8WeightOnlyConfig
 
-        names = {n for n, _ in linears}
-        model.to(device="cuda", dtype=dtype)
-        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn in names)
+        layers.torchao_quantize(model, linears, dtype, Int8WeightOnlyConfig())
         return Applied(backend="torchao.Int8WeightOnlyConfig", emulated=False)
     for name, lin in linears:
         layers.replace(model, name, Int8Linear.from_linear(lin, dtype))

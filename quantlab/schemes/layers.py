@@ -42,6 +42,17 @@ def check_group_size(linears: list[tuple[str, nn.Linear]], group_size: int, sche
     )
 
 
+def torchao_quantize(model: nn.Module, linears: list[tuple[str, nn.Linear]], dtype: torch.dtype,
+                     config) -> None:
+    """Move ``model`` to CUDA in ``dtype`` and apply a torchao ``config`` to the
+    selected layers only (the CUDA path of the int8/int4/fp8 schemes)."""
+    from torchao.quantization import quantize_
+
+    names = {n for n, _ in linears}
+    model.to(device="cuda", dtype=dtype)
+    quantize_(model, config, filter_fn=lambda m, fqn: fqn in names)
+
+
 def replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)

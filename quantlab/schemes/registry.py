@@ -11,7 +11,7 @@ A handler is two functions:
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import torch
@@ -54,7 +54,6 @@ class ApplyContext:
 class Applied:
     backend: str
     emulated: bool
-    extra_tags: dict[str, str] = field(default_factory=dict)
     cache_factory: Callable[..., Any] | None = None  # KV schemes: factory(config=...) -> Cache
 
 
