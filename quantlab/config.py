@@ -87,16 +87,27 @@ class TargetConfig:
 
 @dataclass
 class CPUTargetConfig(TargetConfig):
+    """``compile``: torch.compile (inductor). ``compile_mode``: torch.compile's
+    mode. ``static_cache``: > 0 decodes into a preallocated ``StaticCache`` of
+    that many tokens (fixed shapes: no recompiles, and what CUDA graphs need)."""
+
     name: str = "cpu"
     threads: Optional[int] = None  # None: leave torch's default (all cores)
     compile: bool = False
+    compile_mode: str = "default"
+    static_cache: int = 0
 
 
 @dataclass
 class CUDATargetConfig(TargetConfig):
+    """As the CPU target; ``compile_mode=reduce-overhead`` captures CUDA graphs
+    and needs ``static_cache`` > 0."""
+
     name: str = "cuda"
     device: int = 0
     compile: bool = False
+    compile_mode: str = "default"
+    static_cache: int = 0
 
 
 @dataclass

@@ -20,3 +20,17 @@ def get(cfg: TargetConfig) -> Target:
         return table[type(cfg)](cfg)
     except KeyError:
         raise TypeError(f"no target for {type(cfg).__name__}") from None
+
+
+def label(cfg: TargetConfig) -> str:
+    """The target part of a run name: ``cpu``, ``cpu+compile``, ``cuda+graphs+static``.
+    A pure function of the config (no validation), so a bad option still names its run."""
+    parts = [cfg.name]
+    if isinstance(cfg, (CPUTargetConfig, CUDATargetConfig)):
+        if cfg.compile:
+            mode = cfg.compile_mode
+            parts.append("graphs" if mode == "reduce-overhead" else "compile" if mode == "default"
+                         else f"compile-{mode}")
+        if cfg.static_cache:
+            parts.append("static")
+    return "+".join(parts)

@@ -1,16 +1,18 @@
-"""CPU target: eager or torch.compile (inductor), settable thread count."""
+"""CPU target: eager or torch.compile (inductor), settable thread count,
+optional static KV cache."""
 from __future__ import annotations
 
 import torch
 
 from quantlab import hardware
 from quantlab.config import CPUTargetConfig
-from quantlab.targets.base import Target
+from quantlab.targets.base import LocalTarget
 
 
-class CPUTarget(Target):
+class CPUTarget(LocalTarget):
     name = "cpu"
     cfg: CPUTargetConfig
+    COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
     def hardware(self):
         return hardware.cpu()

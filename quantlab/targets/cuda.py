@@ -1,16 +1,25 @@
-"""CUDA target: eager or torch.compile on one NVIDIA GPU."""
+"""CUDA target on one NVIDIA GPU: eager, torch.compile, or CUDA graphs
+(``compile_mode=reduce-overhead`` over a static KV cache)."""
 from __future__ import annotations
 
 import torch
 
 from quantlab import hardware
 from quantlab.config import CUDATargetConfig
-from quantlab.targets.base import Target
+from quantlab.errors import UserError
+from quantlab.targets.base import LocalTarget
 
 
-class CUDATarget(Target):
+class CUDATarget(LocalTarget):
     name = "cuda"
     cfg: CUDATargetConfig
+    COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+    def __init__(self, cfg: CUDATargetConfig):
+        super().__init__(cfg)
+        if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune") and not cfg.static_cache:
+            raise UserError(f"cuda: compile_mode={cfg.compile_mode} captures CUDA graphs, which replay fixed "
+                            "shapes: set target.static_cache (e.g. 1024) so the KV cache does not grow")
 
     def hardware(self):
         return hardware.cuda(self.cfg.device)
