@@ -33,12 +33,15 @@ def matrix() -> dict[tuple[str, str, str], tuple[str, str]]:
     out = {}
     for tname, tcfg in tgts.items():
         target = targets.get(tcfg)
-        for name, w in weights.items():
-            s = target.supports(w, none_kv)
-            out[("weights", name, tname)] = (s.status, s.reason)
-        for name, kv in kvs.items():
-            s = target.supports(bf16, kv)
-            out[("kv", name, tname)] = (s.status, s.reason)
+        try:
+            for name, w in weights.items():
+                s = target.supports(w, none_kv)
+                out[("weights", name, tname)] = (s.status, s.reason)
+            for name, kv in kvs.items():
+                s = target.supports(bf16, kv)
+                out[("kv", name, tname)] = (s.status, s.reason)
+        finally:
+            target.close()
     return out
 
 

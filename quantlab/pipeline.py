@@ -28,7 +28,7 @@ from quantlab.config import RunConfig
 from quantlab.errors import UserError
 from quantlab.probes import accuracy, corpus, energy, fidelity, latency, perplexity, roofline, size, stages
 from quantlab.probes import cache as cache_probe
-from quantlab.schemes.registry import ApplyContext, kv_handler, weights_handler
+from quantlab.schemes.registry import ApplyContext, kv_handler
 
 log = logging.getLogger("quantlab")
 
@@ -61,9 +61,9 @@ def point_hash(cfg: RunConfig) -> str:
 
 
 def run_name(cfg: RunConfig) -> str:
-    """Readable name: ``bf16@cpu``, ``int4-g64+kv8@cuda``."""
+    """Readable name: ``bf16@cpu``, ``int4-g64+kv8@cuda``, ``int8@cpu+compile``."""
     kv = cfg.scheme.kv.short_name()
-    return f"{cfg.scheme.weights.short_name()}{'+' + kv if kv else ''}@{cfg.target.name}"
+    return f"{cfg.scheme.weights.short_name()}{'+' + kv if kv else ''}@{targets.label(cfg.target)}"
 
 
 def base_tags(cfg: RunConfig) -> dict[str, str]:
@@ -75,6 +75,7 @@ def base_tags(cfg: RunConfig) -> dict[str, str]:
         "scheme.weights.type": type(cfg.scheme.weights).__name__,
         "scheme.kv": cfg.scheme.kv.short_name() or "none",
         "target": cfg.target.name,
+        "target.variant": targets.label(cfg.target),
         "model": cfg.model.name,
         "point_hash": point_hash(cfg),
         "host.cpu": hardware.cpu_name(),
@@ -158,6 +159,13 @@ def _run_in_subprocess(cfg: RunConfig, run_id: str, name: str, client) -> PointR
 
 def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
     target = targets.get(cfg.target)
+    try:
+        return _measure_on(target, cfg, name, client, run_id)
+    finally:
+        target.close()
+
+
+def _measure_on(target, cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
     weights, kv = cfg.scheme.weights, cfg.scheme.kv
     verdict = target.supports(weights, kv)
     if not verdict.runnable:
@@ -180,7 +188,7 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
     log.info("[%s] applying %s (%s)", name, weights.short_name(), verdict.status)
     ctx = ApplyContext(hw=target.hardware(), tokenizer=tok, cache_dir=cfg.cache_dir,
                        data_dir=cfg.data_dir, seed=cfg.seed)
-    applied_w = weights_handler(weights).apply(model, weights, ctx)
+    applied_w = target.apply_weights(model, weights, ctx)
     applied_kv = kv_handler(kv).apply(model, kv, ctx)
     emulated = applied_w.emulated or applied_kv.emulated
     tracking.set_tags(client, run_id, {
@@ -192,14 +200,18 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
     })
     metrics = size.weight_stats(model, n_params)
     runnable = target.compile(model)
-    metrics["compile/warmup_s"] = target.warm_up(runnable, applied_kv.cache_factory)
+    decode_cache = target.decode_cache(applied_kv.cache_factory)
+    metrics["compile/warmup_s"] = target.warm_up(runnable, decode_cache)
     metrics["compile/enabled"] = float(bool(cfg.target.compile))
+    metrics.update(target.compile_metrics())
 
     if ref is not None:
         log.info("[%s] fidelity probe (%d tokens)", name, ids.shape[1])
         metrics.update(fidelity.compare(ref, fidelity.logprobs(runnable, ids)))
     metrics.update(_accuracy(cfg, name, runnable, tok, client, run_id))
-    if cfg.probe.cache.enabled:
+    if cfg.probe.cache.enabled and not target.in_process:
+        tracking.set_tags(client, run_id, {"probe.cache.skipped": f"the model runs in the {target.name} worker"})
+    elif cfg.probe.cache.enabled:
         c = cfg.probe.cache
         n = c.prefix_tokens + c.continuation_tokens
         with _optional_probe("cache", name, client, run_id):
@@ -207,7 +219,7 @@ def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
             log.info("[%s] cache probe (%d x %d tokens, chunk %d)", name, c.windows, n, c.chunk)
             metrics.update(cache_probe.probe(runnable, wins, c, applied_kv.cache_factory))
     if cfg.probe.latency.enabled:
-        metrics.update(_latency(cfg, name, runnable, tok, applied_kv.cache_factory,
+        metrics.update(_latency(cfg, name, target, runnable, tok, decode_cache,
                                 metrics["size/weight_bytes"], client, run_id))
     tracking.log_metrics(client, run_id, metrics)
     log.info("[%s] done: %s", name, _headline(metrics))
@@ -245,7 +257,7 @@ def _optional_probe(probe: str, name: str, client, run_id: str):
         tracking.set_tags(client, run_id, {f"probe.{probe}.skipped": str(e)})
 
 
-def _latency(cfg: RunConfig, name: str, model, tok, cache_factory, weight_bytes: float,
+def _latency(cfg: RunConfig, name: str, target, model, tok, cache_factory, weight_bytes: float,
              client, run_id: str) -> dict[str, float]:
     """Grid timings, stage table, roofline, energy and load; raw samples as CSV."""
     lat = cfg.probe.latency
@@ -254,10 +266,11 @@ def _latency(cfg: RunConfig, name: str, model, tok, cache_factory, weight_bytes:
              name, len(latency.cells(lat)), lat.new_tokens, lat.repeats)
     prompt = corpus.prompt_text(tok, max(p for _, p in latency.cells(lat)))
     device = next(model.parameters()).device
-    counter, why = energy.open_counter(device)
+    counter, why = (energy.open_counter(device) if target.in_process
+                    else (None, f"no energy counter read on the {target.name} device"))
     load_before = os.getloadavg()[0]
     e0 = counter.read() if counter else None
-    out, raw = latency.measure(model, tok, prompt, lat, cache_factory)
+    out, raw = target.measure_latency(model, tok, prompt, lat, cache_factory)
     tags = {"threads": str(torch.get_num_threads())}
     if counter:
         joules = counter.delta(e0, counter.read())
@@ -270,13 +283,15 @@ def _latency(cfg: RunConfig, name: str, model, tok, cache_factory, weight_bytes:
     if load > cores + lat.load_warn:
         log.warning("[%s] system load %.1f on %d cores during timing: latency is inflated", name, load, cores)
         tags["load.warning"] = f"load1 {load:.1f} > {cores} cores"
-    peak = roofline.host_bandwidth(cfg.cache_dir, device)
-    b, p = latency.cells(lat)[0]
-    kv_mid = out.get("mem/kv_mb", 0.0) * 2**20 * (p + lat.new_tokens / 2) / (p + lat.new_tokens)
-    if "lat/tpot_ms_p50" in out:
+    if target.in_process and "lat/tpot_ms_p50" in out:  # host/GPU bandwidth is not a NeuronCore's
+        peak = roofline.host_bandwidth(cfg.cache_dir, device)
+        b, p = latency.cells(lat)[0]
+        kv_mid = out.get("mem/kv_mb", 0.0) * 2**20 * (p + lat.new_tokens / 2) / (p + lat.new_tokens)
         out.update(roofline.utilisation(weight_bytes + kv_mid, out["lat/tpot_ms_p50"], peak))
     tracking.log_text(client, run_id, latency.samples_csv(raw), "latency_samples.csv")
-    if lat.stages:
+    if lat.stages and target.no_stage_table():
+        tags["probe.stages.skipped"] = target.no_stage_table()
+    elif lat.stages:
         samples, totals = stages.measure(model, tok, prompt, lat.prompt_tokens,
                                          max(lat.new_tokens - 1, 1), lat.stage_requests, cache_factory)
         csv, stage_metrics = stages.table(samples, totals)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from quantlab import capabilities, targets
@@ -27,7 +29,7 @@ def test_matrix_covers_every_preset_and_target(matrix):
     from quantlab.cli import presets
 
     targets_ = set(presets("target"))
-    assert {t for _, _, t in matrix} == targets_ == {"cpu", "cuda", "neuron"}
+    assert {t for _, _, t in matrix} == targets_ == {"cpu", "cuda", "cuda-compile", "cuda-graphs", "neuron"}
     assert {n for g, n, _ in matrix if g == "weights"} == set(presets("scheme/weights"))
     assert matrix[("weights", "fp8-e4m3", "cpu")][0] == "emulated"
     assert matrix[("weights", "int4-g64", "cpu")][0] == "real"
@@ -79,12 +81,83 @@ def test_cpu_compile_logs_compile_time_apart(tmp_path):
 
     uri = f"sqlite:///{tmp_path}/m.db"
     cfg = compose_cfg(["model=tiny", "target.compile=true", "scheme/weights=fp32", "probe.latency.repeats=1",
-                       "probe.latency.stages=false", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"])
+                       f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"])
     res = run_point(cfg)
     assert res.outcome == "finished", res.reason
-    m = MlflowClient(uri).get_run(res.run_id).data.metrics
+    run = MlflowClient(uri).get_run(res.run_id)
+    m = run.data.metrics
+    assert run.info.run_name == "fp32@cpu+compile" and run.data.tags["target.variant"] == "cpu+compile"
     assert m["compile/enabled"] == 1.0 and m["compile/warmup_s"] > 0
+    assert "compiled" in run.data.tags["probe.stages.skipped"]  # hooks would split the graph
     assert m["fid/kl_mean"] < 1e-6  # same function; inductor only reorders float sums
+
+
+def test_static_cache_decodes_like_the_dynamic_cache():
+    """Greedy decoding into the target's StaticCache gives the dynamic cache's logits."""
+    from transformers import DynamicCache, StaticCache
+
+    from quantlab import models
+    from quantlab.config import CPUTargetConfig, ModelConfig
+
+    model, _ = models.load(ModelConfig(name="tiny", source="tiny"), "/tmp")
+    target = targets.get(CPUTargetConfig(static_cache=64))
+    factory = target.decode_cache(DynamicCache)
+    assert isinstance(factory(config=model.config), StaticCache)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def decode(make):
+        cache, out, nxt = make(config=model.config), [], ids
+        with torch.inference_mode():
+            for _ in range(6):
+                logits = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
+                out.append(logits)
+                nxt = logits.argmax(-1, keepdim=True)
+        return torch.stack(out)
+
+    torch.testing.assert_close(decode(factory), decode(DynamicCache), atol=1e-5, rtol=1e-5)
+
+
+def test_compile_with_static_cache_runs_and_refuses_quantized_kv(tmp_path):
+    from quantlab.pipeline import run_point
+    from tests.conftest import compose_cfg
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    common = ["model=tiny", "target.compile=true", "target.static_cache=128", "probe.latency.repeats=1",
+              f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"]
+    ok = run_point(compose_cfg([*common, "scheme/weights=fp32"]))
+    assert ok.outcome == "finished" and ok.name == "fp32@cpu+compile+static", ok.reason
+    m = MlflowClient(uri).get_run(ok.run_id).data.metrics
+    assert m["fid/kl_mean"] < 1e-6 and m["lat/tpot_ms_count"] > 0
+    kv = run_point(compose_cfg([*common, "scheme/weights=fp32", "scheme/kv=int8"]))
+    assert kv.outcome == "skipped" and "static_cache" in kv.reason
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (dict(compile=True, compile_mode="turbo"), "cpu: unknown compile_mode 'turbo'; valid: default, "
+                                                "max-autotune-no-cudagraphs"),
+    (dict(compile=True, compile_mode="reduce-overhead"), "cpu: unknown compile_mode 'reduce-overhead'"),
+    (dict(static_cache=-1), "static_cache must be >= 0"),
+])
+def test_bad_cpu_target_options_are_one_line(cfg, match):
+    from quantlab.config import CPUTargetConfig
+
+    with pytest.raises(UserError, match=match):
+        targets.get(CPUTargetConfig(**cfg))
+
+
+def test_cuda_graph_options():
+    """CUDA graphs need fixed shapes: reduce-overhead without a static cache is refused
+    (checked without a GPU); the presets name their runs apart."""
+    from quantlab.config import CUDATargetConfig
+    from tests.conftest import compose_cfg
+
+    with pytest.raises(UserError, match="captures CUDA graphs.*set target.static_cache"):
+        targets.get(CUDATargetConfig(compile=True, compile_mode="reduce-overhead"))
+    graphs = compose_cfg(["target=cuda-graphs"]).target
+    assert (graphs.compile, graphs.compile_mode, graphs.static_cache) == (True, "reduce-overhead", 1024)
+    assert targets.get(graphs).decode_cache(None).keywords == {"max_cache_len": 1024}
+    assert [targets.label(compose_cfg([f"target={t}"]).target) for t in ("cuda", "cuda-compile", "cuda-graphs")] \
+        == ["cuda", "cuda+compile", "cuda+graphs+static"]
 
 
 # --- Neuron: everything up to the SDK boundary ---
@@ -120,7 +193,7 @@ def test_worker_protocol_with_a_worker_lacking_the_sdk():
         assert hello["ok"] and hello["neuron_cores"] == 0 and "optimum-neuron not importable" in hello["missing"]
         with pytest.raises(UserError, match=r"neuron worker 'export' failed: ModuleNotFoundError"):
             client.call("export", model="/x", out="/y", kwargs={})
-        with pytest.raises(UserError, match="unknown op 'fly'; valid: hello, export, generate"):
+        with pytest.raises(UserError, match="unknown op 'fly'; valid: hello, export, load, logits, generate"):
             client.call("fly")
     finally:
         client.close()
@@ -144,3 +217,83 @@ def test_assumed_gpu_column():
     assert m[("weights", "fp8-e4m3", col)][0] == "emulated"
     assert m[("weights", "int4-g64-sym", col)][0] == "unsupported"
     assert capabilities.assumed_cuda((8, 0))[("weights", "fp8-w8a8", "cuda sm_80 (assumed)")][0] == "emulated"
+
+
+FAKE_SDK = Path(__file__).resolve().parent / "fake_neuron"
+
+
+@pytest.fixture
+def fake_neuron_python(tmp_path):
+    """An interpreter that sees the stand-in SDK (tests/fake_neuron) and its neuron-ls."""
+    exe = tmp_path / "neuron-python"
+    exe.write_text(f"#!/bin/sh\nexport PYTHONPATH={FAKE_SDK}:$PYTHONPATH PATH={FAKE_SDK}/bin:$PATH\n"
+                   f"exec {sys.executable} \"$@\"\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_neuron_sweep_through_the_worker(tmp_path, fake_neuron_python):
+    """target=neuron end to end with the stand-in SDK behind the real worker:
+    export with the translated arguments, compile cache, logits-based probes and
+    worker-timed latency; schemes the SDK lacks are skipped with the reason."""
+    uri = f"sqlite:///{tmp_path}/m.db"
+    common = ["model=tiny", "target=neuron", f"target.python={fake_neuron_python}",
+              f"target.compile_cache={tmp_path}/neuron-cache", "target.sequence_length=256",
+              "probe=smoke", "probe.latency.repeats=2", f"tracking.uri={uri}",
+              f"tracking.artifact_root={tmp_path}/a", f"cache_dir={tmp_path}/cache"]
+    proc = run_cli(["-m", "scheme/weights=bf16,int8,int4-g64", *common], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = MlflowClient(uri)
+    runs = {r.info.run_name: r for r in c.search_runs([c.get_experiment_by_name("quantlab").experiment_id])
+            if r.data.tags.get("quantlab.role") != "sweep"}
+    assert set(runs) == {"bf16@neuron", "int8@neuron", "int4-g64@neuron"}
+    skipped = runs["int4-g64@neuron"].data.tags
+    assert skipped["quantlab.outcome"] == "skipped" and "no Neuron equivalent" in skipped["quantlab.reason"]
+    bf16, int8 = runs["bf16@neuron"].data, runs["int8@neuron"].data
+    for r in (bf16, int8):
+        assert r.tags["quantlab.outcome"] == "finished", r.tags.get("quantlab.reason")
+        assert r.tags["emulated"] == "false" and r.tags["backend.weights"].startswith("optimum-neuron 0.3.0")
+        assert r.metrics["compile/neuron_cached"] == 0.0 and r.metrics["compile/neuron_export_s"] > 0
+        assert r.metrics["compile/warmup_s"] >= r.metrics["compile/neuron_export_s"]
+        assert r.metrics["size/neuron_artifact_mb"] > 0
+        assert r.metrics["lat/tpot_ms_count"] == 2 * 15 and r.metrics["lat/ttft_ms_p50"] > 0
+        assert "probe.cache.skipped" in r.tags and "probe.stages.skipped" in r.tags
+        assert "lat/bw_util" not in r.metrics  # host bandwidth is not the device's
+    assert "int8" in int8.tags["backend.weights"]
+    # the reference is the fp32 model in this process: bf16 through the worker is
+    # close, and the SDK's int8 rounding (the export argument arrived) adds error
+    assert bf16.metrics["fid/kl_mean"] < 1e-3 and bf16.metrics["fid/top1_agree"] > 0.95
+    assert int8.metrics["fid/kl_mean"] > bf16.metrics["fid/kl_mean"]
+
+    # same point again (force): the compile cache is hit, nothing is recompiled
+    proc = run_cli(["scheme/weights=bf16", "force=true", *common], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = [r for r in c.search_runs([c.get_experiment_by_name("quantlab").experiment_id],
+                                      order_by=["attributes.start_time DESC"], max_results=1)][0]
+    assert again.data.metrics["compile/neuron_cached"] == 1.0
+    assert again.data.metrics["compile/neuron_export_s"] == 0.0
+    assert again.data.metrics["fid/kl_mean"] == pytest.approx(bf16.metrics["fid/kl_mean"], rel=1e-6)
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="local lm-eval tasks read ../shared/data")
+def test_neuron_lm_eval_and_perplexity_read_worker_logits(tmp_path, fake_neuron_python):
+    """lm-eval and token perplexity on the worker's logits equal those of the same
+    weights run in this process (the stand-in SDK computes in bf16 like the host)."""
+    from quantlab.pipeline import run_point
+    from tests.conftest import compose_cfg
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    probes = ["probe=smoke", "probe.latency.enabled=false", "probe.fidelity.enabled=false",
+              "probe.cache.enabled=false", "probe.accuracy.enabled=true", "probe.accuracy.tasks=[arc_easy_local]",
+              "probe.accuracy.limit=4", "probe.perplexity.enabled=true", "probe.perplexity.window=64",
+              "probe.perplexity.max_windows=1", f"data_dir={SHARED_DATA}", f"tracking.uri={uri}",
+              f"tracking.artifact_root={tmp_path}/a", f"cache_dir={tmp_path}/cache",
+              "model=tiny", "scheme/weights=bf16"]
+    neuron = run_point(compose_cfg([*probes, "target=neuron", f"target.python={fake_neuron_python}",
+                                    f"target.compile_cache={tmp_path}/nc", "target.sequence_length=512"]))
+    host = run_point(compose_cfg([*probes, "target=cpu"]))
+    c = MlflowClient(uri)
+    m_n, m_h = c.get_run(neuron.run_id).data.metrics, c.get_run(host.run_id).data.metrics
+    assert neuron.outcome == host.outcome == "finished", (neuron.reason, host.reason)
+    assert m_n["acc/arc_easy_local"] == m_h["acc/arc_easy_local"]
+    assert m_n["ppl_token_wikitext2_w64"] == pytest.approx(m_h["ppl_token_wikitext2_w64"], rel=2e-2)

@@ -79,17 +79,19 @@ def cells(cfg: LatencyProbeConfig) -> list[tuple[int, int]]:
 
 
 def measure_cell(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, batch: int, prompt_tokens: int,
-                 cache_factory=DynamicCache) -> tuple[dict[str, float], list[RequestTiming]]:
-    """Warm-up, then requests until ``repeats`` and ``min_seconds`` are both met."""
+                 cache_factory=DynamicCache, request=run_request) -> tuple[dict[str, float], list[RequestTiming]]:
+    """Warm-up, then requests until ``repeats`` and ``min_seconds`` are both met.
+    ``request`` times one request (``run_request``'s signature); a target whose
+    model runs elsewhere (Neuron worker) passes its own."""
     clock = Clock(next(model.parameters()).device)
     for _ in range(cfg.warmup):
-        run_request(model, tokenizer, prompt, cfg, clock, cache_factory, batch, prompt_tokens)
+        request(model, tokenizer, prompt, cfg, clock, cache_factory, batch, prompt_tokens)
     runs: list[RequestTiming] = []
     began = time.perf_counter()
     with PeakRSS(cfg.rss_sample_hz) as rss:
         while len(runs) < cfg.max_repeats and (
                 len(runs) < cfg.repeats or time.perf_counter() - began < cfg.min_seconds):
-            runs.append(run_request(model, tokenizer, prompt, cfg, clock, cache_factory, batch, prompt_tokens))
+            runs.append(request(model, tokenizer, prompt, cfg, clock, cache_factory, batch, prompt_tokens))
     steps = [s for r in runs for s in r.step_ms]
     metrics = {
         **summarize("lat/ttft_ms", [r.ttft_ms for r in runs]),
@@ -107,8 +109,8 @@ def measure_cell(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, batch: 
     return metrics, runs
 
 
-def measure(model, tokenizer, prompt: str, cfg: LatencyProbeConfig,
-            cache_factory=DynamicCache) -> tuple[dict[str, float], list[tuple[int, int, RequestTiming]]]:
+def measure(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, cache_factory=DynamicCache,
+            request=run_request) -> tuple[dict[str, float], list[tuple[int, int, RequestTiming]]]:
     """Every grid cell. The primary cell's metrics keep plain names
     (``lat/tpot_ms_p50``); every cell also logs ``cell/b{B}_p{P}/<name>``.
     ``prompt`` must tokenize to at least the longest prompt length."""
@@ -121,7 +123,7 @@ def measure(model, tokenizer, prompt: str, cfg: LatencyProbeConfig,
                                  "lat/new_tokens": float(cfg.new_tokens)}
     raw: list[tuple[int, int, RequestTiming]] = []
     for i, (b, p) in enumerate(cells(cfg)):
-        cell, runs = measure_cell(model, tokenizer, prompt, cfg, b, p, cache_factory)
+        cell, runs = measure_cell(model, tokenizer, prompt, cfg, b, p, cache_factory, request)
         if i == 0:
             metrics.update(cell)
         metrics.update({f"cell/b{b}_p{p}/{k.split('/', 1)[1]}": v for k, v in cell.items()

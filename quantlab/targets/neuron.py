@@ -9,6 +9,7 @@ request per line on stdin, one JSON reply per line on stdout.
 from __future__ import annotations
 
 import json
+import select
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from quantlab.config import NeuronTargetConfig
 from quantlab.errors import UserError
 from quantlab.hardware import Hardware
-from quantlab.schemes.registry import Support
+from quantlab.schemes.registry import Applied, Support
 from quantlab.targets.base import Target
 
 WORKER = "quantlab.targets.neuron_worker"
@@ -89,6 +90,10 @@ class WorkerClient:
             raise UserError(f"neuron worker exited ({self.proc.returncode}): {self._stderr_tail()}")
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
+        if not ready:
+            self.proc.kill()
+            raise UserError(f"neuron worker gave no reply to {op!r} within {self.timeout_s:.0f} s (target.timeout_s)")
         line = self.proc.stdout.readline()
         if not line:
             raise UserError(f"neuron worker died during {op!r}: {self._stderr_tail()}")
@@ -122,25 +127,48 @@ def _passthrough() -> dict[str, str]:
 
 
 class NeuronTarget(Target):
+    """Export + compile through the worker, then probe the compiled model there.
+
+    The Neuron SDK quantizes weights itself at export (``export_kwargs``), so the
+    host keeps the float checkpoint (cast to the compile dtype) and hands it over;
+    fidelity, perplexity and lm-eval read logits through ``NeuronRunnable``, the
+    latency probe times greedy decoding inside the worker.
+    """
+
     name = "neuron"
     cfg: NeuronTargetConfig
+    in_process = False
 
     def __init__(self, cfg: NeuronTargetConfig):
         super().__init__(cfg)
         self._hello: dict[str, Any] | None = None
         self._why = ""
+        self._client: WorkerClient | None = None
+        self._weights: Any = None
+        self._ready_s = 0.0
+        self._compiled: dict[str, float] = {}
+
+    def client(self) -> WorkerClient:
+        """The worker this target drives (started once, closed by ``close``)."""
+        if self._client is None:
+            cache = str(Path(self.cfg.compile_cache).expanduser())
+            self._client = WorkerClient(self.cfg.python, self.cfg.timeout_s,
+                                        env={"NEURON_COMPILE_CACHE_URL": str(Path(cache) / "neuronx-cc")})
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def hello(self) -> dict[str, Any] | None:
         """Ask the worker what it sees (optimum-neuron version, NeuronCores); cached."""
         if self._hello is None and not self._why:
             try:
-                client = WorkerClient(self.cfg.python, self.cfg.timeout_s)
-                try:
-                    self._hello = client.call("hello")
-                finally:
-                    client.close()
+                self._hello = self.client().call("hello")
             except UserError as e:
                 self._why = str(e)
+                self.close()
         return self._hello
 
     def hardware(self) -> Hardware | None:
@@ -167,6 +195,94 @@ class NeuronTarget(Target):
             return Support("unsupported", "quantized KV caches are not exposed by optimum-neuron")
         return weight_support(weights)
 
+    def apply_weights(self, model: torch.nn.Module, weights: Any, ctx) -> Applied:
+        """No host-side quantization: cast to the compile dtype and let the SDK
+        quantize at export (``export_kwargs``)."""
+        self._weights = weights
+        kw = export_kwargs(self.cfg, weights, self.hello().get("api", "current"))
+        model.to(getattr(torch, kw.get("torch_dtype") or _DTYPE_OF[kw["auto_cast_type"]]))
+        quant = kw.get("quantization", {}).get("quantization_dtype")
+        return Applied(backend=f"optimum-neuron {self.hello().get('optimum_neuron')}"
+                               f" ({quant or 'no'} weight quantization)", emulated=False)
+
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
-        raise UserError("neuron: probes through the worker are not wired into the sweep yet; "
-                        "use `python -m quantlab.targets.neuron_worker` on the inf2 host")
+        """Save the checkpoint, export it (compile cache keyed by checkpoint and
+        export arguments: an unchanged point is not recompiled) and load it."""
+        import hashlib
+        import tempfile
+
+        api = self.hello().get("api", "current")
+        kw = export_kwargs(self.cfg, self._weights, api)
+        root = Path(self.cfg.compile_cache).expanduser()
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as ckpt:
+            model.save_pretrained(ckpt)
+            digest = hashlib.sha256(json.dumps(kw, sort_keys=True).encode())
+            for f in sorted(Path(ckpt).glob("*.safetensors")):
+                digest.update(f.read_bytes())
+            out = root / digest.hexdigest()[:20]
+            reply = self.client().call("export", model=ckpt, out=str(out), kwargs=kw)
+        loaded = self.client().call("load", model=str(out))
+        self._ready_s = reply["compile_s"] + loaded["load_s"]
+        self._compiled = {"compile/neuron_export_s": reply["compile_s"],
+                            "compile/neuron_load_s": loaded["load_s"],
+                            "compile/neuron_cached": float(reply["cached"]),
+                            "size/neuron_artifact_mb": reply["bytes"] / 2**20}
+        return NeuronRunnable(self.client(), model.config)
+
+    def compile_metrics(self) -> dict[str, float]:
+        return dict(self._compiled)
+
+    def warm_up(self, model: torch.nn.Module, cache_factory) -> float:
+        """Export + load seconds (0 export seconds when the compile cache hit)."""
+        return self._ready_s
+
+    def measure_latency(self, model, tokenizer, prompt: str, cfg, cache_factory):
+        from quantlab.probes import latency
+
+        client = self.client()
+
+        def request(_model, tok, text, lat_cfg, clock, _cache, batch, prompt_tokens):
+            t0 = clock.now_ms()
+            ids = tok([text] * batch, return_tensors="pt", add_special_tokens=False)["input_ids"][:, :prompt_tokens]
+            t1 = clock.now_ms()
+            r = client.call("generate", ids=ids.tolist(), new_tokens=lat_cfg.new_tokens)
+            return latency.RequestTiming(tokenize_ms=t1 - t0, prefill_ms=r["prefill_ms"],
+                                         ttft_ms=t1 - t0 + r["prefill_ms"], step_ms=r["step_ms"])
+
+        return latency.measure(model, tokenizer, prompt, cfg, cache_factory, request=request)
+
+
+_DTYPE_OF = {v: k for k, v in DTYPES.items()}
+
+
+class NeuronRunnable(torch.nn.Module):
+    """Host-side stand-in for the model compiled in the worker: ``model(ids).logits``
+    (what fidelity, perplexity and lm-eval call) fetches ``[B, T, V]`` logits from
+    the worker. It holds no cache: step-by-step probes run in the worker."""
+
+    def __init__(self, client: WorkerClient, config):
+        super().__init__()
+        self.client = client
+        self.config = config
+        self._anchor = torch.nn.Parameter(torch.zeros(()), requires_grad=False)  # device of the runnable
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def tie_weights(self) -> None:
+        """lm-eval calls this on any module it is given; the weights live in the worker."""
+
+    def forward(self, input_ids: torch.Tensor, cache=None, **_ignored):
+        import tempfile
+
+        from transformers.modeling_outputs import CausalLMOutput
+
+        if cache is not None:
+            raise RuntimeError("a host-side KV cache cannot drive the Neuron worker")
+        with tempfile.TemporaryDirectory() as d:
+            out = str(Path(d) / "logits.pt")
+            self.client.call("logits", ids=input_ids.tolist(), out=out)
+            logits = torch.load(out, weights_only=True)
+        return CausalLMOutput(logits=logits)
