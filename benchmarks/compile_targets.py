@@ -2,6 +2,7 @@
 CPU target, per weight scheme, batch 1 — through the same Target API a sweep uses.
 
     python benchmarks/compile_targets.py [--model smollm2] [--rounds 5] [--tokens 32]
+                                         [--schemes bf16,int8] [--modes compile]
 
 Every variant is built, compiled and warmed up first (compile seconds printed),
 then timed in interleaved rounds; ratios are medians of per-round ratios to the
@@ -39,14 +40,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help=f"subset of {','.join(SCHEMES)}")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)} (eager is always run)")
     ap.add_argument("--cache-dir", default="~/.cache/quantlab")
     args = ap.parse_args()
+    schemes = {k: SCHEMES[k] for k in args.schemes.split(",")}
+    modes = {k: MODES[k] for k in ["eager", *(m for m in args.modes.split(",") if m != "eager")]}
     torch._dynamo.config.recompile_limit = 64  # several compiled models live side by side here
     probe = LatencyProbeConfig(prompt_tokens=args.prompt, new_tokens=args.tokens)
     clock = Clock(torch.device("cpu"))
     built = {}
-    for sname, scheme in SCHEMES.items():
-        for mname, tcfg in MODES.items():
+    for sname, scheme in schemes.items():
+        for mname, tcfg in modes.items():
             target = targets.get(tcfg)
             model, tok = models.load(ModelConfig(name=args.model, source=args.model), args.cache_dir)
             weights_handler(scheme).apply(model, scheme, ApplyContext(hw=hardware.cpu(), tokenizer=tok))

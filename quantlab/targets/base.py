@@ -90,6 +90,8 @@ class LocalTarget(Target):
     """cpu and cuda: eager or ``torch.compile``, optionally a ``StaticCache``."""
 
     COMPILE_MODES: tuple[str, ...] = ("default",)
+    # scheme config type -> why torch.compile cannot run its kernels on this target
+    NOT_COMPILABLE: dict[type, str] = {}
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
@@ -116,6 +118,8 @@ class LocalTarget(Target):
 
         if verdict.runnable and self.cfg.static_cache and not isinstance(kv, NoKV):
             return Support("unsupported", "static_cache holds bf16/fp16 tensors: no quantized KV scheme")
+        if verdict.runnable and self.cfg.compile and type(weights) in self.NOT_COMPILABLE:
+            return Support("unsupported", self.NOT_COMPILABLE[type(weights)])
         return verdict
 
     def decode_cache(self, factory):

@@ -6,6 +6,7 @@ import torch
 
 from quantlab import hardware
 from quantlab.config import CPUTargetConfig
+from quantlab.schemes.bnb4 import BnB4Scheme
 from quantlab.targets.base import LocalTarget
 
 
@@ -13,6 +14,9 @@ class CPUTarget(LocalTarget):
     name = "cpu"
     cfg: CPUTargetConfig
     COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+    NOT_COMPILABLE = {BnB4Scheme: "bitsandbytes 4-bit under torch.compile on CPU: the compiled graph expects "
+                                  "the logical weight shape (192x288) and gets the packed one (55296x1); "
+                                  "run nf4/fp4 eager (target.compile=false)"}
 
     def hardware(self):
         return hardware.cpu()
