@@ -214,6 +214,18 @@ def test_worker_protocol_with_a_worker_lacking_the_sdk():
     assert client.proc.returncode == 0
 
 
+def test_silent_worker_times_out_in_one_line(tmp_path):
+    """A worker that never answers (hung compile, wedged runtime) costs
+    ``timeout_s``, then one line; the process is killed."""
+    exe = tmp_path / "hung-python"
+    exe.write_text("#!/bin/sh\nexec sleep 60\n")
+    exe.chmod(0o755)
+    client = WorkerClient(str(exe), timeout_s=1)
+    with pytest.raises(UserError, match=r"no reply to 'hello' within 1 s \(target.timeout_s\)"):
+        client.call("hello")
+    assert client.proc.wait(timeout=5) != 0
+
+
 def test_missing_neuron_environment_is_one_line():
     target = targets.get(NeuronTargetConfig(python="/nonexistent/neuron/bin/python"))
     verdict = target.supports(FloatScheme("bfloat16"), NoKV())
