@@ -44,6 +44,14 @@ def weight_support(weights: Any) -> Support:
     return Support("unsupported", f"no Neuron equivalent of {type(weights).__name__} ({weights.short_name()})")
 
 
+def compile_dtype(weights: Any) -> str:
+    """The torch dtype name the Neuron compiler casts a point to (bf16 or fp16)."""
+    dtype = getattr(weights, "dtype", None) or getattr(weights, "compute_dtype", "bfloat16")
+    if dtype not in DTYPES:
+        raise UserError(f"neuron: dtype {dtype} not compilable; valid: {', '.join(DTYPES)}")
+    return dtype
+
+
 def export_kwargs(cfg: NeuronTargetConfig, weights: Any, api: str) -> dict[str, Any]:
     """``NeuronModelForCausalLM.from_pretrained(..., export=True, **kwargs)`` for a point.
 
@@ -53,9 +61,7 @@ def export_kwargs(cfg: NeuronTargetConfig, weights: Any, api: str) -> dict[str, 
     from quantlab.schemes.fp8 import FP8Scheme
     from quantlab.schemes.int8 import Int8Scheme
 
-    dtype = getattr(weights, "dtype", None) or getattr(weights, "compute_dtype", "bfloat16")
-    if dtype not in DTYPES:
-        raise UserError(f"neuron: dtype {dtype} not compilable; valid: {', '.join(DTYPES)}")
+    dtype = compile_dtype(weights)
     kw: dict[str, Any] = {"export": True, "batch_size": cfg.batch_size, "sequence_length": cfg.sequence_length}
     if api == "legacy":
         kw.update(num_cores=cfg.num_cores, auto_cast_type=DTYPES[dtype])
@@ -143,17 +149,17 @@ class NeuronTarget(Target):
         super().__init__(cfg)
         self._hello: dict[str, Any] | None = None
         self._why = ""
+        self._root = Path(cfg.compile_cache).expanduser()
         self._client: WorkerClient | None = None
-        self._weights: Any = None
+        self._export_kw: dict[str, Any] = {}
         self._ready_s = 0.0
         self._compiled: dict[str, float] = {}
 
     def client(self) -> WorkerClient:
         """The worker this target drives (started once, closed by ``close``)."""
         if self._client is None:
-            cache = str(Path(self.cfg.compile_cache).expanduser())
             self._client = WorkerClient(self.cfg.python, self.cfg.timeout_s,
-                                        env={"NEURON_COMPILE_CACHE_URL": str(Path(cache) / "neuronx-cc")})
+                                        env={"NEURON_COMPILE_CACHE_URL": str(self._root / "neuronx-cc")})
         return self._client
 
     def close(self) -> None:
@@ -198,9 +204,8 @@ class NeuronTarget(Target):
     def apply_weights(self, model: torch.nn.Module, weights: Any, ctx) -> Applied:
         """No host-side quantization: cast to the compile dtype and let the SDK
         quantize at export (``export_kwargs``)."""
-        self._weights = weights
-        kw = export_kwargs(self.cfg, weights, self.hello().get("api", "current"))
-        model.to(getattr(torch, kw.get("torch_dtype") or _DTYPE_OF[kw["auto_cast_type"]]))
+        self._export_kw = kw = export_kwargs(self.cfg, weights, self.hello().get("api", "current"))
+        model.to(getattr(torch, compile_dtype(weights)))
         quant = kw.get("quantization", {}).get("quantization_dtype")
         return Applied(backend=f"optimum-neuron {self.hello().get('optimum_neuron')}"
                                f" ({quant or 'no'} weight quantization)", emulated=False)
@@ -211,23 +216,21 @@ class NeuronTarget(Target):
         import hashlib
         import tempfile
 
-        api = self.hello().get("api", "current")
-        kw = export_kwargs(self.cfg, self._weights, api)
-        root = Path(self.cfg.compile_cache).expanduser()
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root) as ckpt:
+        kw = self._export_kw  # set by apply_weights, which the pipeline calls first
+        self._root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self._root) as ckpt:
             model.save_pretrained(ckpt)
             digest = hashlib.sha256(json.dumps(kw, sort_keys=True).encode())
             for f in sorted(Path(ckpt).glob("*.safetensors")):
                 digest.update(f.read_bytes())
-            out = root / digest.hexdigest()[:20]
+            out = self._root / digest.hexdigest()[:20]
             reply = self.client().call("export", model=ckpt, out=str(out), kwargs=kw)
         loaded = self.client().call("load", model=str(out))
         self._ready_s = reply["compile_s"] + loaded["load_s"]
         self._compiled = {"compile/neuron_export_s": reply["compile_s"],
-                            "compile/neuron_load_s": loaded["load_s"],
-                            "compile/neuron_cached": float(reply["cached"]),
-                            "size/neuron_artifact_mb": reply["bytes"] / 2**20}
+                          "compile/neuron_load_s": loaded["load_s"],
+                          "compile/neuron_cached": float(reply["cached"]),
+                          "size/neuron_artifact_mb": reply["bytes"] / 2**20}
         return NeuronRunnable(self.client(), model.config)
 
     def compile_metrics(self) -> dict[str, float]:
@@ -251,9 +254,6 @@ class NeuronTarget(Target):
                                          ttft_ms=t1 - t0 + r["prefill_ms"], step_ms=r["step_ms"])
 
         return latency.measure(model, tokenizer, prompt, cfg, cache_factory, request=request)
-
-
-_DTYPE_OF = {v: k for k, v in DTYPES.items()}
 
 
 class NeuronRunnable(torch.nn.Module):

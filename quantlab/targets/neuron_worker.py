@@ -32,21 +32,21 @@ _STATE: dict = {}
 MARKER = "quantlab-export.json"
 
 
-def _api() -> str:
+def _api() -> tuple[str, str]:
+    """(installed optimum-neuron version, API generation: ``current`` >= 0.3 or ``legacy``)."""
     from importlib.metadata import version
 
-    major, minor = (int(x) for x in version("optimum-neuron").split(".")[:2])
-    return "current" if (major, minor) >= (0, 3) else "legacy"
+    v = version("optimum-neuron")
+    major, minor = (int(x) for x in v.split(".")[:2])
+    return v, "current" if (major, minor) >= (0, 3) else "legacy"
 
 
 def _hello(_req: dict) -> dict:
     info: dict = {"python": sys.version.split()[0]}
     try:
         import optimum.neuron  # noqa: F401
-        from importlib.metadata import version
 
-        info["optimum_neuron"] = version("optimum-neuron")
-        info["api"] = _api()
+        info["optimum_neuron"], info["api"] = _api()
     except ImportError as e:
         return {"ok": True, **info, "neuron_cores": 0, "missing": f"optimum-neuron not importable: {e}"}
     try:
@@ -88,7 +88,7 @@ def _load(req: dict) -> dict:
 
     t = time.perf_counter()
     _STATE["model"] = NeuronModelForCausalLM.from_pretrained(req["model"])
-    _STATE["api"] = _api()
+    _STATE["api"] = _api()[1]
     return {"ok": True, "load_s": time.perf_counter() - t}
 
 
