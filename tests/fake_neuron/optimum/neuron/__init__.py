@@ -36,13 +36,14 @@ class NeuronModelForCausalLM:
             raise TypeError(f"export needs {missing}")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, kwargs["torch_dtype"]))
         quant = kwargs.get("quantization") or {}
-        if quant.get("quantization_dtype") == "int8":
+        if quant.get("quantization_dtype") == "int8":  # per_channel_symmetric, as quantlab's int8
+            from quantlab.schemes.qlinear import rtn_int8
+
             with torch.no_grad():
                 for m in model.modules():
                     if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings():
-                        w = m.weight.float()
-                        scale = w.abs().amax(1, keepdim=True).clamp_min(1e-8) / 127
-                        m.weight.copy_((w / scale).round().clamp(-127, 127) * scale)
+                        q, scale = rtn_int8(m.weight.float())
+                        m.weight.copy_(q.float() * scale[:, None])
         return cls(model, {k: kwargs[k] for k in _REQUIRED} | {"quantization": quant})
 
     def save_pretrained(self, out: str) -> None:
