@@ -19,8 +19,9 @@ import torch
 
 from quantlab import hardware, targets
 from quantlab.config import CPUTargetConfig, LatencyProbeConfig, ModelConfig
+from quantlab.decode import Clock
 from quantlab.probes import corpus
-from quantlab.probes.latency import Clock, run_request
+from quantlab.probes.latency import run_request
 from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.int4 import Int4Scheme
 from quantlab.schemes.int8 import Int8Scheme
@@ -32,8 +33,10 @@ MODES = {"eager": CPUTargetConfig(), "compile": CPUTargetConfig(compile=True),
 
 
 def main() -> None:
-    from quantlab import models
     from transformers import DynamicCache
+
+    from quantlab import models
+    from quantlab.schemes.registry import Applied
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2", help="smollm2 or tiny")
@@ -48,27 +51,25 @@ def main() -> None:
     modes = {k: MODES[k] for k in ["eager", *(m for m in args.modes.split(",") if m != "eager")]}
     torch._dynamo.config.recompile_limit = 64  # several compiled models live side by side here
     probe = LatencyProbeConfig(prompt_tokens=args.prompt, new_tokens=args.tokens)
-    clock = Clock(torch.device("cpu"))
+    clock = Clock()
     built = {}
     for sname, scheme in schemes.items():
         for mname, tcfg in modes.items():
             target = targets.get(tcfg)
             model, tok = models.load(ModelConfig(name=args.model, source=args.model), args.cache_dir)
             weights_handler(scheme).apply(model, scheme, ApplyContext(hw=hardware.cpu(), tokenizer=tok))
-            model = target.compile(model)
-            factory = target.decode_cache(DynamicCache)
             t = time.perf_counter()
-            target.warm_up(model, factory)
-            run_request(model, tok, corpus.prompt_text(tok, args.prompt), probe, clock, factory)
+            engine = target.engine(model, Applied("transformers.DynamicCache", False, DynamicCache))
+            run_request(engine, tok, corpus.prompt_text(tok, args.prompt), probe, clock)
             print(f"{sname:<9} {mname:<15} ready in {time.perf_counter() - t:6.1f} s", flush=True)
-            built[(sname, mname)] = (model, tok, factory)
+            built[(sname, mname)] = (engine, tok)
     prompt = corpus.prompt_text(next(iter(built.values()))[1], args.prompt)
     ratio: dict[tuple[str, str], list[float]] = {k: [] for k in built}
     ttft: dict[tuple[str, str], list[float]] = {k: [] for k in built}
     for r in range(args.rounds):
         tpot = {}
-        for key, (model, tok, factory) in built.items():
-            t = run_request(model, tok, prompt, probe, clock, factory)
+        for key, (engine, tok) in built.items():
+            t = run_request(engine, tok, prompt, probe, clock)
             tpot[key] = statistics.median(t.step_ms)
             ttft[key].append(t.ttft_ms)
         for s, m in built:

@@ -17,8 +17,10 @@ import torch
 from quantlab import hardware, models
 from quantlab.config import ModelConfig
 from quantlab.probes import corpus, size
-from quantlab.probes.latency import Clock, run_request
 from quantlab.config import LatencyProbeConfig
+from quantlab.decode import Clock
+from quantlab.engines.pytorch import TorchEngine
+from quantlab.probes.latency import run_request
 from quantlab.schemes.bnb4 import BnB4Scheme
 from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.fp8 import FP8Scheme
@@ -42,7 +44,7 @@ def build(cfg_model: ModelConfig, scheme, cache_dir: str):
     model, tok = models.load(cfg_model, cache_dir)
     n = size.count_params(model)
     weights_handler(scheme).apply(model, scheme, ApplyContext(hw=hardware.cpu(), tokenizer=tok))
-    return model, tok, size.weight_stats(model, n)["size/weight_bytes"]
+    return TorchEngine(model), tok, size.weight_stats(model, n)["size/weight_bytes"]
 
 
 def main() -> None:
@@ -61,7 +63,7 @@ def main() -> None:
     tok = next(iter(built.values()))[1]
     prompt = corpus.prompt_text(tok, args.prompt)
     probe = LatencyProbeConfig(prompt_tokens=args.prompt, new_tokens=args.tokens)
-    clock = Clock(torch.device("cpu"))
+    clock = Clock()
     for model, _, _ in built.values():  # warm-up
         run_request(model, tok, prompt, probe, clock)
     per_round: dict[str, list[float]] = {n: [] for n in built}

@@ -11,28 +11,28 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from transformers import DynamicCache
 
 from quantlab import models
 from quantlab.config import LatencyProbeConfig, ModelConfig
+from quantlab.decode import Clock, decode_loop
+from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import corpus
-from quantlab.probes.latency import Clock, run_request
+from quantlab.probes.latency import run_request
 
 
 @torch.inference_mode()
 def bare(model, ids: torch.Tensor, steps: int) -> list[float]:
-    """The smallest honest decode timer: perf_counter around each step."""
+    """The smallest honest decode timer: the shared loop over a bare forward
+    (no engine, no tokenizer, no cache accounting)."""
     cache = DynamicCache(config=model.config)
-    nxt = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-    out = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        nxt = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        out.append((time.perf_counter() - t) * 1000)
-    return out
+
+    def forward(x, start):
+        return model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1 if start == 0 else 0).logits
+
+    return decode_loop(forward, ids, steps + 1, Clock()).step_ms
 
 
 def cv(xs: list[float]) -> float:
@@ -51,12 +51,12 @@ def main() -> None:
     prompt = corpus.prompt_text(tok, args.prompt)
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"][:, : args.prompt]
     cfg = LatencyProbeConfig(prompt_tokens=args.prompt, new_tokens=args.tokens + 1)
-    clock = Clock(torch.device("cpu"))
-    run_request(model, tok, prompt, cfg, clock)  # warm-up both paths
+    clock, engine = Clock(), TorchEngine(model)
+    run_request(engine, tok, prompt, cfg, clock)  # warm-up both paths
     bare(model, ids, args.tokens)
     probe_med, bare_med = [], []
     for r in range(args.rounds):
-        probe_med.append(statistics.median(run_request(model, tok, prompt, cfg, clock).step_ms))
+        probe_med.append(statistics.median(run_request(engine, tok, prompt, cfg, clock).step_ms))
         bare_med.append(statistics.median(bare(model, ids, args.tokens)))
         print(f"round {r + 1}: probe {probe_med[-1]:.2f} ms  bare {bare_med[-1]:.2f} ms", flush=True)
     ratios = [p / b for p, b in zip(probe_med, bare_med)]

@@ -33,15 +33,13 @@ def matrix() -> dict[tuple[str, str, str], tuple[str, str]]:
     out = {}
     for tname, tcfg in tgts.items():
         target = targets.get(tcfg)
-        try:
+        with target.session():  # releases a worker the questions started
             for name, w in weights.items():
                 s = target.supports(w, none_kv)
                 out[("weights", name, tname)] = (s.status, s.reason)
             for name, kv in kvs.items():
                 s = target.supports(bf16, kv)
                 out[("kv", name, tname)] = (s.status, s.reason)
-        finally:
-            target.close()
     return out
 
 

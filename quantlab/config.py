@@ -11,7 +11,6 @@ The pipeline then dispatches on the dataclass *type* (see ``schemes/registry``).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -48,28 +47,6 @@ class ModelConfig:
     revision: Optional[str] = None
     trust_remote_code: bool = False
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-
-
-@dataclass
-class WeightScheme:
-    """Base of all weight-scheme configs. Subclasses add their knobs as fields."""
-
-    def short_name(self) -> str:
-        raise NotImplementedError
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": type(self).__name__, **dataclasses.asdict(self)}
-
-
-@dataclass
-class KVScheme:
-    """Base of all KV-cache scheme configs."""
-
-    def short_name(self) -> str:
-        raise NotImplementedError
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": type(self).__name__, **dataclasses.asdict(self)}
 
 
 @dataclass
@@ -230,6 +207,7 @@ class RunConfig:
 
 def register_configs() -> None:
     """Store the schemas in Hydra's ConfigStore (idempotent)."""
+    from quantlab import targets
     from quantlab.schemes import registry
 
     cs = ConfigStore.instance()
@@ -238,9 +216,8 @@ def register_configs() -> None:
         cs.store(group="scheme/weights", name=f"_{name}", node=node)
     for name, node in registry.kv_schemas().items():
         cs.store(group="scheme/kv", name=f"_{name}", node=node)
-    cs.store(group="target", name="_cpu", node=CPUTargetConfig)
-    cs.store(group="target", name="_cuda", node=CUDATargetConfig)
-    cs.store(group="target", name="_neuron", node=NeuronTargetConfig)
+    for node in targets.config_types():
+        cs.store(group="target", name=f"_{node.name}", node=node)
     cs.store(group="model", name="_model", node=ModelConfig)
     cs.store(group="probe", name="_probe", node=ProbeConfig)
     cs.store(group="tracking", name="_tracking", node=TrackingConfig)

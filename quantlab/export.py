@@ -1,6 +1,7 @@
 """Export a sweep point as a checkpoint that transformers (and vLLM) load.
 
     python -m quantlab.export --run RUN_ID --out exports/int8
+    python -m quantlab.export --run RUN_ID --format gguf --out exports/int4.gguf
     python -m quantlab.export --sweep fp8_vs_int4 --budget 0.01 --out exports/best --register smollm2-best
 
 The point is rebuilt from the run's logged ``config.yaml`` (same quantizer,
@@ -88,38 +89,35 @@ def rebuild(cfg: RunConfig):
     return model.eval(), tok
 
 
-def _ct_config(model, cfg):
-    """compressed-tensors QuantizationConfig for the quantized modules of ``model``."""
+def _ct_config(model, spec: dict):
+    """compressed-tensors QuantizationConfig (the scheme's ``checkpoint`` mapping)
+    over the quantized modules of ``model``."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    mods = {type(m) for m in model.modules()}
-    if Int4Linear in mods:
-        w = cfg.scheme.weights
-        args = QuantizationArgs(num_bits=4, type="int", symmetric=w.symmetric, group_size=w.group_size,
-                                strategy="group")
-        fmt = "pack-quantized" if w.symmetric else "int-quantized"
-    elif Int8Linear in mods:
-        args, fmt = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"), "int-quantized"
-    elif FP8Linear in mods:
-        args, fmt = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized"
-    else:
-        return None, None
     targets = sorted({n for n, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear, FP8Linear))})
-    scheme = QuantizationScheme(targets=targets, weights=args)
-    return QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="frozen"), fmt
+    scheme = QuantizationScheme(targets=targets, weights=QuantizationArgs(**spec["args"]))
+    return QuantizationConfig(config_groups={"group_0": scheme}, format=spec["format"], quantization_status="frozen")
+
+
+def checkpoint_mapping(w) -> dict:
+    """The scheme's checkpoint format, or one line saying it has none."""
+    m = registry.weights_handler(w).mapping("checkpoint", w)
+    if not m.ok:
+        raise UserError(f"export of {w.short_name()} is not supported ({m.reason}; bitsandbytes NF4/FP4 "
+                        "points cannot be rebuilt into a loadable checkpoint yet)")
+    return m.spec
 
 
 def write_checkpoint(model, tok, cfg: RunConfig, dest: Path) -> str:
     """Write ``model`` (a rebuilt point) to ``dest``; returns the format name."""
     w = cfg.scheme.weights
-    if type(w).__name__ == "FloatScheme":
+    spec = checkpoint_mapping(w)
+    if spec["format"] == "hf":
         model.save_pretrained(dest, safe_serialization=True)
         tok.save_pretrained(dest)
-        return f"hf-{w.dtype}"
-    qcfg, fmt = _ct_config(model, cfg)
-    if qcfg is None:
-        raise UserError(f"export of {w.short_name()} is not supported (no compressed-tensors mapping; "
-                        "bitsandbytes NF4/FP4 points cannot be rebuilt into a loadable checkpoint yet)")
+        return f"hf-{spec['dtype']}"
+    fmt = spec["format"]
+    qcfg = _ct_config(model, spec)
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
 
@@ -259,6 +257,49 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
     return manifest
 
 
+def _run_config(client, run_id: str) -> RunConfig:
+    with tempfile.TemporaryDirectory() as d:
+        return config_from_dict(yaml.safe_load(Path(client.download_artifacts(run_id, "config.yaml", d)).read_text()))
+
+
+def export_gguf(client, run_id: str, out: Path, force: bool = False) -> dict:
+    """The point as one GGUF file (its own integers; see ``quantlab.gguf_export``),
+    kept only when llama.cpp reproduces the point (``gguf_export.round_trip``);
+    a ``<out>.quantlab.json`` manifest beside it."""
+    from quantlab import gguf_export
+
+    if out.exists() and not force:
+        raise UserError(f"{out} exists; pass --force to replace it")
+    cfg = _run_config(client, run_id)
+    w = cfg.scheme.weights
+    mapping = registry.weights_handler(w).mapping("gguf", w)
+    if not mapping.ok:
+        raise UserError(f"GGUF export of {w.short_name()}: {mapping.reason}")
+    log.info("export: rebuilding %s from run %s for GGUF (%s)", w.short_name(), run_id, mapping.spec["type"])
+    model, tok = rebuild(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        counts = gguf_export.write(model, tok, tmp, getattr(model, "quantlab_gguf", None), name=w.short_name())
+        check = gguf_export.round_trip(tmp, model, check_input(tok), mapping.spec["type"])
+        tracking.set_tags(client, run_id, {"export.gguf.round_trip": "passed" if check["passed"] else "failed",
+                                           "export.gguf.kl_mean": f"{check['kl_mean']:.3e}"})
+        if not check["passed"]:
+            raise UserError(f"GGUF round trip failed: KL {check['kl_mean']:.3e} (tolerance "
+                            f"{check['tolerance_kl_mean']:g}), tensor types {check['tensor_types']} "
+                            f"(expected {check['expected_type']}); nothing written to {out}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    manifest = {"source_run_id": run_id, "format": f"gguf/{mapping.spec['type']}", "tensor_types": counts,
+                "scheme": w.to_dict(), "round_trip": check, "sha256": _sha256(out),
+                "versions": tracking.versions(("torch", "transformers", "gguf", "llama_cpp_python", "quantlab"))}
+    out.with_name(out.name + ".quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
+    log.info("export: %s written (%s), llama.cpp round trip KL %.2e, top-1 %.3f", out,
+             ", ".join(f"{v} {k}" for k, v in counts.items()), check["kl_mean"], check["top1_agree"])
+    return manifest
+
+
 def _register(client, name: str, run, fmt: str) -> None:
     from mlflow.exceptions import MlflowException
 
@@ -279,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", help="MLflow run id of the point")
     ap.add_argument("--sweep", help="sweep name or parent run id: export its recommended point")
     ap.add_argument("--budget", type=float, default=0.01, help="with --sweep: which recommendation")
-    ap.add_argument("--out", help="directory to write (must not exist unless --force)")
+    ap.add_argument("--out", help="directory (or .gguf file with --format gguf) to write; must not exist "
+                                  "unless --force")
+    ap.add_argument("--format", choices=("checkpoint", "gguf"), default="checkpoint",
+                    help="checkpoint: compressed-tensors / safetensors directory; gguf: one llama.cpp file")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--register", help="register the export in the MLflow Model Registry under this name")
     ap.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
@@ -297,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         run_id = args.run or _recommended(client, exp, args.sweep, args.budget)
         if not args.out:
             raise UserError("--out DIR is required")
-        export_run(client, run_id, Path(args.out), args.force, args.register)
+        if args.format == "gguf":
+            export_gguf(client, run_id, Path(args.out), args.force)
+        else:
+            export_run(client, run_id, Path(args.out), args.force, args.register)
     except UserError as e:
         print(f"quantlab.export: {e}", file=sys.stderr)
         return 2

@@ -86,11 +86,15 @@ def _from_pretrained(path: str, dtype, revision=None, trust_remote_code=False):
 
 
 def _from_gguf(path: Path, cache_dir: str, dtype):
+    """The GGUF's model; ``model.quantlab_gguf`` keeps the source path (a GGUF
+    export copies its tokenizer block from there)."""
     cached = _gguf_cache_dir(path, cache_dir)
     if not (cached / "config.json").is_file():
         log.info("converting %s to a safetensors cache at %s (once)", path.name, cached)
         _convert_gguf(path, cached)
-    return _from_pretrained(str(cached), dtype)
+    model, tok = _from_pretrained(str(cached), dtype)
+    model.quantlab_gguf = path
+    return model, tok
 
 
 def _gguf_cache_dir(path: Path, cache_dir: str) -> Path:

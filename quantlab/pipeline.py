@@ -1,7 +1,11 @@
 """run_point(cfg): one sweep point, top to bottom.
 
 config -> support check -> load model -> [calibrate] -> weight scheme -> KV scheme
-       -> compile for target -> fidelity probe -> latency probe -> log to MLflow
+       -> engine for the target -> fidelity, accuracy, cache, latency probes
+       -> log what was measured to MLflow (one step)
+
+Probes talk to the engine only (``quantlab.engines``) and return results; the
+``Measurement`` they fill is logged once, at the end.
 
 A point that its target cannot run is logged as skipped with the reason; a
 point that raises is logged as FAILED with its traceback, and the caller (the
@@ -25,7 +29,9 @@ import yaml
 
 from quantlab import hardware, models, targets, tracking
 from quantlab.config import RunConfig
+from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
+from quantlab.measurement import Measurement
 from quantlab.probes import accuracy, corpus, energy, fidelity, latency, perplexity, roofline, size, stages
 from quantlab.probes import cache as cache_probe
 from quantlab.schemes.registry import ApplyContext, kv_handler
@@ -114,17 +120,20 @@ def run_point(cfg: RunConfig) -> PointResult:
 
 
 def _execute(cfg: RunConfig, run_id: str, name: str, client=None) -> PointResult:
-    """Measure and close the run, turning any exception into a FAILED run."""
+    """Measure, log what was measured (also after a failure) and close the run,
+    turning any exception into a FAILED run."""
     client = client or tracking.connect(cfg.tracking)[0]
+    m = Measurement()
     try:
-        outcome, reason = _measure(cfg, name, client, run_id)
+        outcome, reason = _measure(cfg, name, m)
     except (UserError, ValueError) as e:
         outcome, reason = "failed", _first_line(e) or type(e).__name__
         log.error("[%s] failed: %s", name, reason)
     except Exception as e:  # noqa: BLE001 - one point must never kill the sweep
         outcome, reason = "failed", f"{type(e).__name__}: {_first_line(e)}"
-        tracking.log_text(client, run_id, traceback.format_exc(), "traceback.txt")
+        m.artifacts["traceback.txt"] = traceback.format_exc()
         log.error("[%s] failed: %s (traceback logged to the run)", name, reason)
+    tracking.log_measurement(client, run_id, m)
     tracking.end(client, run_id, outcome, reason)
     return PointResult(run_id, name, outcome, reason)
 
@@ -157,120 +166,118 @@ def _run_in_subprocess(cfg: RunConfig, run_id: str, name: str, client) -> PointR
     return PointResult(run_id, name, outcome, run.data.tags.get(tracking.REASON_TAG, ""))
 
 
-def _measure(cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
+def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
+    """The straight line of one point; returns (outcome, reason), fills ``m``."""
     target = targets.get(cfg.target)
-    try:
-        return _measure_on(target, cfg, name, client, run_id)
-    finally:
-        target.close()
-
-
-def _measure_on(target, cfg: RunConfig, name: str, client, run_id: str) -> tuple[str, str]:
     weights, kv = cfg.scheme.weights, cfg.scheme.kv
     verdict = target.supports(weights, kv)
     if not verdict.runnable:
         log.warning("[%s] skipped: %s", name, verdict.reason)
         return "skipped", verdict.reason
-    target.prepare()
-
-    log.info("[%s] loading model %s", name, cfg.model.name)
-    model, tok = models.load(cfg.model, cfg.cache_dir)
-    fid_cfg = cfg.probe.fidelity
-    ids = corpus.token_ids(tok, fid_cfg.corpus, fid_cfg.tokens, cfg.data_dir)
-    ref = None
-    if fid_cfg.enabled:
-        ref_dtype = getattr(torch, fid_cfg.reference_dtype)
-        key = {"model": dataclasses.asdict(cfg.model), "dtype": fid_cfg.reference_dtype}
-        ref = fidelity.reference(key, ids, cfg.cache_dir,
-                                 lambda: models.load(cfg.model, cfg.cache_dir, ref_dtype)[0])
-
-    n_params = size.count_params(model)
-    log.info("[%s] applying %s (%s)", name, weights.short_name(), verdict.status)
-    ctx = ApplyContext(hw=target.hardware(), tokenizer=tok, cache_dir=cfg.cache_dir,
-                       data_dir=cfg.data_dir, seed=cfg.seed)
-    applied_w = target.apply_weights(model, weights, ctx)
-    applied_kv = kv_handler(kv).apply(model, kv, ctx)
-    emulated = applied_w.emulated or applied_kv.emulated
-    tracking.set_tags(client, run_id, {
-        "emulated": str(emulated).lower(),
-        "support": verdict.status,
-        "support.reason": verdict.reason or "-",
-        "backend.weights": applied_w.backend,
-        "backend.kv": applied_kv.backend,
-    })
-    metrics = size.weight_stats(model, n_params)
-    runnable = target.compile(model)
-    decode_cache = target.decode_cache(applied_kv.cache_factory)
-    metrics["compile/warmup_s"] = target.warm_up(runnable, decode_cache)
-    metrics["compile/enabled"] = float(bool(cfg.target.compile))
-    metrics.update(target.compile_metrics())
-
-    if ref is not None:
-        log.info("[%s] fidelity probe (%d tokens)", name, ids.shape[1])
-        metrics.update(fidelity.compare(ref, fidelity.logprobs(runnable, ids)))
-    metrics.update(_accuracy(cfg, name, runnable, tok, client, run_id))
-    if cfg.probe.cache.enabled and not target.in_process:
-        tracking.set_tags(client, run_id, {"probe.cache.skipped": f"the model runs in the {target.name} worker"})
-    elif cfg.probe.cache.enabled:
-        c = cfg.probe.cache
-        n = c.prefix_tokens + c.continuation_tokens
-        with _optional_probe("cache", name, client, run_id):
-            wins = corpus.token_ids(tok, c.corpus, n * c.windows, cfg.data_dir).reshape(c.windows, n)
-            log.info("[%s] cache probe (%d x %d tokens, chunk %d)", name, c.windows, n, c.chunk)
-            metrics.update(cache_probe.probe(runnable, wins, c, applied_kv.cache_factory))
-    if cfg.probe.latency.enabled:
-        metrics.update(_latency(cfg, name, target, runnable, tok, decode_cache,
-                                metrics["size/weight_bytes"], client, run_id))
-    tracking.log_metrics(client, run_id, metrics)
-    log.info("[%s] done: %s", name, _headline(metrics))
+    with target.session():
+        log.info("[%s] loading model %s", name, cfg.model.name)
+        model, tok = models.load(cfg.model, cfg.cache_dir)
+        reference = _reference(cfg, name, tok, m)
+        n_params = size.count_params(model)
+        log.info("[%s] applying %s (%s)", name, weights.short_name(), verdict.status)
+        ctx = ApplyContext(hw=target.hardware(), tokenizer=tok, cache_dir=cfg.cache_dir,
+                           data_dir=cfg.data_dir, seed=cfg.seed)
+        applied_w = target.apply_weights(model, weights, ctx)
+        applied_kv = kv_handler(kv).apply(model, kv, ctx)
+        m.tags.update({"emulated": str(applied_w.emulated or applied_kv.emulated).lower(),
+                       "support": verdict.status, "support.reason": verdict.reason or "-",
+                       "backend.weights": applied_w.backend, "backend.kv": applied_kv.backend})
+        m.metrics.update(size.weight_stats(model, n_params))
+        compute_bytes = model.get_input_embeddings().weight.element_size()
+        engine = target.engine(model, applied_kv, tok)
+        try:
+            m.metrics.update({"compile/warmup_s": engine.ready_s,
+                              "compile/enabled": float(bool(getattr(cfg.target, "compile", False))),
+                              **engine.metrics})
+            if reference is not None:
+                log.info("[%s] fidelity probe (%d tokens)", name, reference[0].shape[1])
+                m.metrics.update(fidelity.compare(reference[1], fidelity.logprobs(engine, reference[0])))
+            _accuracy(cfg, name, engine, tok, m)
+            _cache(cfg, name, engine, model.config, tok, compute_bytes, m)
+            if cfg.probe.latency.enabled:
+                _latency(cfg, name, engine, tok, m)
+        finally:
+            engine.close()
+    log.info("[%s] done: %s", name, _headline(m.metrics))
     return "finished", ""
 
 
-def _accuracy(cfg: RunConfig, name: str, model, tok, client, run_id: str) -> dict[str, float]:
+def _reference(cfg: RunConfig, name: str, tok, m: Measurement):
+    """``(ids, reference log-probs)`` of the fidelity corpus, or None when the
+    probe is off or its corpus is missing (then tagged, and the point goes on)."""
+    fid = cfg.probe.fidelity
+    if not fid.enabled:
+        return None
+    with _optional_probe("fidelity", name, m):
+        ids = corpus.token_ids(tok, fid.corpus, fid.tokens, cfg.data_dir)
+        key = {"model": dataclasses.asdict(cfg.model), "dtype": fid.reference_dtype}
+        dtype = getattr(torch, fid.reference_dtype)
+        return ids, fidelity.reference(
+            key, ids, cfg.cache_dir, lambda: TorchEngine(models.load(cfg.model, cfg.cache_dir, dtype)[0]))
+    return None
+
+
+def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     """Perplexity and lm-eval; a missing data file costs those metrics only."""
-    out: dict[str, float] = {}
     ppl = cfg.probe.perplexity
     if ppl.enabled:
-        with _optional_probe("perplexity", name, client, run_id):
+        with _optional_probe("perplexity", name, m):
             ids = tok(perplexity.wikitext2_text(cfg.data_dir), add_special_tokens=False, return_tensors="pt")
             wins = perplexity.windows(ids["input_ids"][0], ppl.window, ppl.max_windows)
             log.info("[%s] perplexity probe (%d windows of %d tokens)", name, len(wins), ppl.window)
-            out.update(perplexity.token_perplexity(model, wins))
+            m.metrics.update(perplexity.token_perplexity(engine, wins))
     acc = cfg.probe.accuracy
     if acc.enabled:
-        with _optional_probe("accuracy", name, client, run_id):
+        with _optional_probe("accuracy", name, m):
             log.info("[%s] lm-eval %s (limit %s)", name, ",".join(acc.tasks), acc.limit)
-            metrics, results = accuracy.evaluate(model, tok, acc, cfg.data_dir, cfg.cache_dir, cfg.seed)
-            out.update(metrics)
-            tracking.log_text(client, run_id, json.dumps(results, indent=2, default=str), "lm_eval_results.json")
-    return out
+            metrics, results = accuracy.evaluate(engine, tok, acc, cfg.data_dir, cfg.cache_dir, cfg.seed)
+            m.metrics.update(metrics)
+            m.artifacts["lm_eval_results.json"] = json.dumps(results, indent=2, default=str)
+
+
+def _cache(cfg: RunConfig, name: str, engine, config, tok, compute_bytes: int, m: Measurement) -> None:
+    """Teacher-forced decoding through the point's KV cache, where the engine has one."""
+    c = cfg.probe.cache
+    if not c.enabled:
+        return
+    if why := engine.cannot("cache"):
+        m.tags["probe.cache.skipped"] = why
+        return
+    n = c.prefix_tokens + c.continuation_tokens
+    with _optional_probe("cache", name, m):
+        wins = corpus.token_ids(tok, c.corpus, n * c.windows, cfg.data_dir).reshape(c.windows, n)
+        log.info("[%s] cache probe (%d x %d tokens, chunk %d)", name, c.windows, n, c.chunk)
+        m.metrics.update(cache_probe.probe(engine, config, wins, c, compute_bytes))
 
 
 @contextlib.contextmanager
-def _optional_probe(probe: str, name: str, client, run_id: str):
+def _optional_probe(probe: str, name: str, m: Measurement):
     """A probe whose data is missing (UserError) is skipped with a
     ``probe.<probe>.skipped`` tag naming what it expected; the point goes on."""
     try:
         yield
     except UserError as e:
         log.warning("[%s] %s probe skipped: %s", name, probe, e)
-        tracking.set_tags(client, run_id, {f"probe.{probe}.skipped": str(e)})
+        m.tags[f"probe.{probe}.skipped"] = str(e)
 
 
-def _latency(cfg: RunConfig, name: str, target, model, tok, cache_factory, weight_bytes: float,
-             client, run_id: str) -> dict[str, float]:
+def _latency(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     """Grid timings, stage table, roofline, energy and load; raw samples as CSV."""
     lat = cfg.probe.latency
     cores = os.cpu_count() or 1
     log.info("[%s] latency probe (%d cells, %d new tokens, >= %d requests per cell)",
              name, len(latency.cells(lat)), lat.new_tokens, lat.repeats)
     prompt = corpus.prompt_text(tok, max(p for _, p in latency.cells(lat)))
-    device = next(model.parameters()).device
-    counter, why = (energy.open_counter(device) if target.in_process
-                    else (None, f"no energy counter read on the {target.name} device"))
+    why = engine.cannot("energy")
+    counter, why = (None, why) if why else energy.open_counter(engine.device)
     load_before = os.getloadavg()[0]
     e0 = counter.read() if counter else None
-    out, raw = target.measure_latency(model, tok, prompt, lat, cache_factory)
+    out, raw = latency.measure(engine, tok, prompt, lat)
     tags = {"threads": str(torch.get_num_threads())}
     if counter:
         joules = counter.delta(e0, counter.read())
@@ -283,22 +290,22 @@ def _latency(cfg: RunConfig, name: str, target, model, tok, cache_factory, weigh
     if load > cores + lat.load_warn:
         log.warning("[%s] system load %.1f on %d cores during timing: latency is inflated", name, load, cores)
         tags["load.warning"] = f"load1 {load:.1f} > {cores} cores"
-    if target.in_process and "lat/tpot_ms_p50" in out:  # host/GPU bandwidth is not a NeuronCore's
-        peak = roofline.host_bandwidth(cfg.cache_dir, device)
+    if not engine.cannot("roofline") and "lat/tpot_ms_p50" in out:
+        peak = roofline.host_bandwidth(cfg.cache_dir, engine.device)
         b, p = latency.cells(lat)[0]
         kv_mid = out.get("mem/kv_mb", 0.0) * 2**20 * (p + lat.new_tokens / 2) / (p + lat.new_tokens)
-        out.update(roofline.utilisation(weight_bytes + kv_mid, out["lat/tpot_ms_p50"], peak))
-    tracking.log_text(client, run_id, latency.samples_csv(raw), "latency_samples.csv")
-    if lat.stages and target.no_stage_table():
-        tags["probe.stages.skipped"] = target.no_stage_table()
+        out.update(roofline.utilisation(m.metrics["size/weight_bytes"] + kv_mid, out["lat/tpot_ms_p50"], peak))
+    m.artifacts["latency_samples.csv"] = latency.samples_csv(raw)
+    if lat.stages and (why := engine.cannot("stages")):
+        tags["probe.stages.skipped"] = why
     elif lat.stages:
-        samples, totals = stages.measure(model, tok, prompt, lat.prompt_tokens,
-                                         max(lat.new_tokens - 1, 1), lat.stage_requests, cache_factory)
+        samples, totals = stages.measure(engine, tok, prompt, lat.prompt_tokens,
+                                         max(lat.new_tokens - 1, 1), lat.stage_requests)
         csv, stage_metrics = stages.table(samples, totals)
         out.update(stage_metrics)
-        tracking.log_text(client, run_id, csv, "stages.csv")
-    tracking.set_tags(client, run_id, tags)
-    return out
+        m.artifacts["stages.csv"] = csv
+    m.metrics.update(out)
+    m.tags.update(tags)
 
 
 def _headline(m: dict[str, float]) -> str:

@@ -139,6 +139,16 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float]) ->
         client.log_batch(run_id, metrics=items[i:i + 1000])
 
 
+def log_measurement(client: MlflowClient, run_id: str, m) -> None:
+    """One point's :class:`~quantlab.measurement.Measurement`: tags, metrics, artifacts."""
+    if m.tags:
+        set_tags(client, run_id, m.tags)
+    if m.metrics:
+        log_metrics(client, run_id, m.metrics)
+    for name, text in m.artifacts.items():
+        log_text(client, run_id, text, name)
+
+
 @retry
 def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
     client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])

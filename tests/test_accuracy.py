@@ -10,6 +10,7 @@ import torch
 
 from quantlab import models, report, tracking
 from quantlab.config import AccuracyProbeConfig, ModelConfig
+from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
 from quantlab.probes import accuracy, perplexity
 from tests.conftest import SHARED_DATA, run_cli
@@ -42,7 +43,7 @@ def test_lm_eval_parity_with_direct_run(tiny, tmp_path):
 
     model, tok = tiny
     cfg = AccuracyProbeConfig(enabled=True, tasks=["arc_easy_local", "piqa_local"], limit=24, batch_size=4)
-    ours, _ = accuracy.evaluate(model, tok, cfg, str(SHARED_DATA), str(tmp_path), seed=3)
+    ours, _ = accuracy.evaluate(TorchEngine(model), tok, cfg, str(SHARED_DATA), str(tmp_path), seed=3)
     include, counts = accuracy.prepare_tasks(cfg.tasks, str(SHARED_DATA), str(tmp_path))
     samples = {t: accuracy.sample_indices(counts[t], 24, 3, t) for t in cfg.tasks}
     direct = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=1),
@@ -86,7 +87,7 @@ def test_token_perplexity_matches_independent_computation(tiny):
     ids = torch.randint(0, 256, (4 * 64 + 10,), generator=torch.Generator().manual_seed(0))
     wins = perplexity.windows(ids, 64, None)
     assert wins.shape == (4, 64)
-    ours = perplexity.token_perplexity(model, wins)["ppl_token_wikitext2_w64"]
+    ours = perplexity.token_perplexity(TorchEngine(model), wins)["ppl_token_wikitext2_w64"]
     with torch.no_grad():
         losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in wins]
     assert ours == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-4)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from quantlab.cli import GROUPS, presets
-from quantlab.config import (CPUTargetConfig, CUDATargetConfig, KVScheme, ModelConfig, NeuronTargetConfig, ProbeConfig,
-                             RunConfig, WeightScheme)
+from quantlab.config import (CPUTargetConfig, CUDATargetConfig, ModelConfig, NeuronTargetConfig, ProbeConfig, RunConfig)
+from quantlab.schemes.base import KVScheme, WeightScheme
+from quantlab.targets.llamacpp import LlamaCppTargetConfig
 from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.kv import NoKV
 from tests.conftest import compose_cfg
@@ -20,7 +21,7 @@ def test_preset_composes_to_typed_config(group, preset):
     assert isinstance(cfg, RunConfig)
     assert isinstance(cfg.model, ModelConfig)
     assert isinstance(cfg.probe, ProbeConfig)
-    assert isinstance(cfg.target, (CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig))
+    assert isinstance(cfg.target, (CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig, LlamaCppTargetConfig))
     assert isinstance(cfg.scheme.kv, KVScheme) and isinstance(cfg.scheme.weights, WeightScheme)
     assert cfg.scheme.weights.short_name()
     if group == "scheme/kv" and preset != "none":

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from quantlab import models
 from quantlab.config import CacheProbeConfig, ModelConfig
+from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import cache as cache_probe
 from quantlab.probes import corpus
 from quantlab.schemes.kv import FP8KV, Int4KV, Int4Layer, Int8KV, Int8Layer, NoKV, cache_bytes, cache_factory
@@ -55,6 +56,11 @@ def test_int4_kivi_round_trip_and_packing():
     assert rel(kd, k) < 0.15 and rel(vd, v) < 0.15
 
 
+def _probe(model, wins, cfg, kv):
+    engine = TorchEngine(model, cache_factory=cache_factory(kv))
+    return cache_probe.probe(engine, model.config, wins, cfg, model.get_input_embeddings().weight.element_size())
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return models.tiny_model(ModelConfig(name="tiny", source="tiny")), models.byte_tokenizer()
@@ -66,8 +72,8 @@ def test_cache_probe_bytes_and_fidelity(tiny, kv, ratio):
     model, tok = tiny
     wins = corpus.token_ids(tok, "builtin", 2 * 160).reshape(2, 160)
     cfg = CacheProbeConfig(enabled=True, prefix_tokens=96, continuation_tokens=64, chunk=1)
-    dense = cache_probe.probe(model, wins, cfg, cache_factory(NoKV()))
-    quant = cache_probe.probe(model, wins, cfg, cache_factory(kv))
+    dense = _probe(model, wins, cfg, NoKV())
+    quant = _probe(model, wins, cfg, kv)
     assert dense["kv/ratio_vs_dense"] == 1.0 and dense["kvfid/kl_mean"] < 1e-6  # summation order only
     assert quant["kv/ratio_vs_dense"] <= ratio
     assert 0 < quant["kvfid/kl_mean"] < 1e-2
@@ -78,8 +84,8 @@ def test_int4_is_worse_than_int8(tiny):
     model, tok = tiny
     wins = corpus.token_ids(tok, "builtin", 300).reshape(1, 300)
     cfg = CacheProbeConfig(enabled=True, prefix_tokens=200, continuation_tokens=100, chunk=4)
-    kl8 = cache_probe.probe(model, wins, cfg, cache_factory(Int8KV()))["kvfid/kl_mean"]
-    kl4 = cache_probe.probe(model, wins, cfg, cache_factory(Int4KV(group_size=32, residual_length=16)))["kvfid/kl_mean"]
+    kl8 = _probe(model, wins, cfg, Int8KV())["kvfid/kl_mean"]
+    kl4 = _probe(model, wins, cfg, Int4KV(group_size=32, residual_length=16))["kvfid/kl_mean"]
     assert kl8 < kl4
 
 

@@ -6,6 +6,7 @@ import torch
 
 from quantlab import models
 from quantlab.config import LatencyProbeConfig, ModelConfig, TinyModelConfig
+from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import corpus, energy, latency, roofline, stages
 
 
@@ -23,7 +24,7 @@ def test_grid_cells_primary_first():
 def test_grid_metrics_per_cell(tiny):
     model, tok = tiny
     cfg = LatencyProbeConfig(prompt_tokens=16, new_tokens=4, repeats=2, grid_batch_sizes=[1, 3])
-    m, raw = latency.measure(model, tok, corpus.prompt_text(tok, 16), cfg)
+    m, raw = latency.measure(TorchEngine(model), tok, corpus.prompt_text(tok, 16), cfg)
     assert {(b, p) for b, p, _ in raw} == {(1, 16), (3, 16)}
     assert m["cell/b3_p16/tpot_ms_p50"] > 0 and m["cell/b1_p16/tpot_ms_p50"] == m["lat/tpot_ms_p50"]
     assert m["cell/b3_p16/kv_mb"] == pytest.approx(3 * m["cell/b1_p16/kv_mb"])
@@ -34,10 +35,10 @@ def test_grid_metrics_per_cell(tiny):
 def test_repeats_until_count_and_duration(tiny):
     model, tok = tiny
     cfg = LatencyProbeConfig(prompt_tokens=8, new_tokens=2, repeats=2, min_seconds=0.3, warmup=0)
-    _, runs = latency.measure_cell(model, tok, corpus.prompt_text(tok, 8), cfg, 1, 8)
+    _, runs = latency.measure_cell(TorchEngine(model), tok, corpus.prompt_text(tok, 8), cfg, 1, 8)
     assert len(runs) > 2 and sum(r.e2e_ms for r in runs) >= 0.2 * 1000 * 0.3
     cfg = LatencyProbeConfig(prompt_tokens=8, new_tokens=2, repeats=2, min_seconds=60, max_repeats=4, warmup=0)
-    _, runs = latency.measure_cell(model, tok, corpus.prompt_text(tok, 8), cfg, 1, 8)
+    _, runs = latency.measure_cell(TorchEngine(model), tok, corpus.prompt_text(tok, 8), cfg, 1, 8)
     assert len(runs) == 4  # capped
 
 
@@ -46,7 +47,7 @@ def test_stage_times_add_up_to_the_step():
     model = models.tiny_model(ModelConfig(name="t", source="tiny", tiny=TinyModelConfig(
         hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8)))
     tok = models.byte_tokenizer()
-    samples, totals = stages.measure(model, tok, corpus.prompt_text(tok, 16), 16, steps=8, requests=2)
+    samples, totals = stages.measure(TorchEngine(model), tok, corpus.prompt_text(tok, 16), 16, steps=8, requests=2)
     assert len(totals) == 16 and all(len(samples[k]) == 16 for k in ("embedding", "final_norm", "lm_head"))
     layers = [k for k in samples if k.startswith("layer.")]
     assert len(layers) == model.config.num_hidden_layers

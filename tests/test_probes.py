@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from quantlab import models
 from quantlab.config import LatencyProbeConfig, ModelConfig
+from quantlab.decode import Clock
+from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import corpus, fidelity, latency, size
 from quantlab.stats import summarize
 
@@ -63,7 +65,7 @@ def test_reference_cached_on_disk(tmp_path):
 
     def build():
         calls.append(1)
-        return models.tiny_model(ModelConfig(name="tiny", source="tiny"))
+        return TorchEngine(models.tiny_model(ModelConfig(name="tiny", source="tiny")))
 
     a = fidelity.reference({"m": 1}, ids, str(tmp_path), build)
     b = fidelity.reference({"m": 1}, ids, str(tmp_path), build)
@@ -80,7 +82,7 @@ def tiny():
 def test_latency_probe_counts_and_ordering(tiny):
     model, tok = tiny
     cfg = LatencyProbeConfig(batch_size=2, prompt_tokens=24, new_tokens=5, warmup=1, repeats=3)
-    metrics, raw = latency.measure(model, tok, corpus.prompt_text(tok, 24), cfg)
+    metrics, raw = latency.measure(TorchEngine(model), tok, corpus.prompt_text(tok, 24), cfg)
     runs = [r for _, _, r in raw]
     assert len(runs) == 3 and all(len(r.step_ms) == 4 for r in runs)
     assert all(r.ttft_ms >= r.prefill_ms > 0 and min(r.step_ms) > 0 for r in runs)
@@ -108,14 +110,14 @@ def test_latency_probe_decodes_like_generate(tiny):
             seen.append(out.logits[:, -1].argmax(-1).item())
             return out
 
-    latency.run_request(Spy(), tok, corpus.prompt_text(tok, 16), cfg, latency.Clock(torch.device("cpu")))
+    latency.run_request(TorchEngine(Spy()), tok, corpus.prompt_text(tok, 16), cfg, Clock())
     assert seen == ref.tolist()
 
 
 def test_prompt_too_short_is_an_error(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="probe needs 50"):
-        latency.measure(model, tok, "short", LatencyProbeConfig(prompt_tokens=50))
+        latency.measure(TorchEngine(model), tok, "short", LatencyProbeConfig(prompt_tokens=50))
 
 
 def test_weight_bytes_by_dtype(tiny):

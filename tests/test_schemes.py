@@ -9,6 +9,7 @@ from torch import nn
 
 from quantlab import hardware, models
 from quantlab.config import ModelConfig
+from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
 from quantlab.hardware import Hardware
 from quantlab.probes import size
@@ -186,14 +187,14 @@ def test_gptq_on_tiny_model_beats_rtn_in_kl(tiny, tmp_path):
 
     model, tok = tiny
     ids = corpus.token_ids(tok, "builtin", 256)
-    ref = fidelity.logprobs(model, ids)
+    ref = fidelity.logprobs(TorchEngine(model), ids)
     rtn = models.tiny_model(ModelConfig(name="tiny", source="tiny"))
     _apply(rtn, Int4Scheme(group_size=32, symmetric=True))
     _apply(model, GPTQScheme(group_size=32, symmetric=True, calibration="builtin", n_samples=16,
                              seq_len=128), tok, cache_dir=str(tmp_path))
     assert isinstance(model.model.layers[1].self_attn.o_proj, Int4Linear)
-    kl_gptq = fidelity.compare(ref, fidelity.logprobs(model, ids))["fid/kl_mean"]
-    kl_rtn = fidelity.compare(ref, fidelity.logprobs(rtn, ids))["fid/kl_mean"]
+    kl_gptq = fidelity.compare(ref, fidelity.logprobs(TorchEngine(model), ids))["fid/kl_mean"]
+    kl_rtn = fidelity.compare(ref, fidelity.logprobs(TorchEngine(rtn), ids))["fid/kl_mean"]
     assert kl_gptq < kl_rtn
 
 

@@ -1,4 +1,4 @@
-"""lm-eval on the in-memory (quantized, compiled-or-eager) model.
+"""lm-eval on the point's engine (in-process PyTorch, llama.cpp, the Neuron worker).
 
 Standard harness task names work when the hub is reachable; ``*_local`` tasks
 read the benchmark files under the data directory (see ``evaluation/``). Every
@@ -13,8 +13,6 @@ import logging
 import random
 import re
 from pathlib import Path
-
-import torch
 
 from quantlab.config import AccuracyProbeConfig
 from quantlab.errors import UserError
@@ -127,18 +125,17 @@ def sample_indices(n_docs: int, limit: int | None, seed: int, task: str) -> list
     return sorted(rng.sample(range(n_docs), limit))
 
 
-def evaluate(model: torch.nn.Module, tokenizer, cfg: AccuracyProbeConfig, data_dir: str | None,
+def evaluate(engine, tokenizer, cfg: AccuracyProbeConfig, data_dir: str | None,
              cache_dir: str, seed: int) -> tuple[dict[str, float], dict]:
-    """Run the configured tasks; return flat metrics (``acc/arc_easy_local``) and
-    lm-eval's per-task results (for the JSON artifact)."""
+    """Run the configured tasks on ``engine``; return flat metrics
+    (``acc/arc_easy_local``) and lm-eval's per-task results (for the JSON artifact)."""
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    from quantlab.probes.lm_adapter import EngineLM
+
     include, counts = prepare_tasks(list(cfg.tasks), data_dir, cache_dir)
-    device = str(next(model.parameters()).device)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=cfg.batch_size,
-              max_length=cfg.max_length)
+    lm = EngineLM(engine, tokenizer, batch_size=cfg.batch_size, max_length=cfg.max_length)
     if all(t in counts for t in cfg.tasks):  # seeded random subset, same for every point
         samples = {t: idx for t in cfg.tasks
                    if (idx := sample_indices(counts[t], cfg.limit, seed, t)) is not None}

@@ -17,42 +17,42 @@ import torch
 
 from quantlab.config import CacheProbeConfig
 from quantlab.probes.fidelity import logprobs
-from quantlab.schemes.kv import cache_bytes
 
 
-@torch.inference_mode()
-def cached_logprobs(model, ids: torch.Tensor, prefix: int, chunk: int, cache_factory):
+def cached_logprobs(engine, ids: torch.Tensor, prefix: int, chunk: int) -> tuple[torch.Tensor, int]:
     """Log-probs ``[T - prefix, V]`` predicting tokens ``prefix+1 .. T`` (and the
-    last one), computed through a cache; also returns the filled cache."""
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    cache = cache_factory(config=model.config)
-    out = model(input_ids=ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1)
-    rows = [out.logits[0, -1:].float()]
-    for s in range(prefix, ids.shape[1] - 1, chunk):
-        e = min(s + chunk, ids.shape[1] - 1)
-        out = model(input_ids=ids[:, s:e], cache=cache, use_cache=True)
-        rows.append(out.logits[0].float())
-    return torch.log_softmax(torch.cat(rows), dim=-1).cpu(), cache
+    last one), computed through the engine's cache by the shared decode loop fed
+    the known tokens ``chunk`` at a time; also the bytes the cache held."""
+    ids = ids.to(engine.device)
+    starts = list(range(prefix, ids.shape[1] - 1, chunk))
+    rows: list[torch.Tensor] = []
+
+    def teacher(_logits, i: int) -> torch.Tensor:
+        s = starts[min(i, len(starts) - 1)]
+        return ids[:, s:min(s + chunk, ids.shape[1] - 1)]
+
+    out = engine.decode(ids[:, :prefix], len(starts) + 1, choose=teacher,
+                        record=lambda logits: rows.append(logits[0].float()))
+    return torch.log_softmax(torch.cat(rows), dim=-1).cpu(), out.kv_bytes
 
 
-def probe(model, windows: torch.Tensor, cfg: CacheProbeConfig, cache_factory) -> dict[str, float]:
+def probe(engine, config, windows: torch.Tensor, cfg: CacheProbeConfig, compute_bytes: int) -> dict[str, float]:
     """``windows: [n, T]`` with ``T = prefix_tokens + continuation``. Perplexity over
-    the continuation, KL against the same model run without a cache, and the
-    bytes the cache holds at context ``T - 1`` vs a dense cache in the compute dtype."""
+    the continuation, KL against the same engine run without a cache, and the
+    bytes the cache holds at context ``T - 1`` vs a dense cache of
+    ``compute_bytes``-byte elements (``config``: the transformers config)."""
     p = cfg.prefix_tokens
     nll, count, kls, kv_bytes = 0.0, 0, [], 0
     for row in windows:
-        lp, cache = cached_logprobs(model, row[None], p, cfg.chunk, cache_factory)
+        lp, kv_bytes = cached_logprobs(engine, row[None], p, cfg.chunk)
         target = row[p:]  # lp[j] predicts token p + j
         nll -= lp.gather(-1, target[:, None]).sum().item()
         count += target.numel()
-        kls.append(_kl(logprobs(model, row[None])[p - 1:-1], lp))
-        kv_bytes = cache_bytes(cache)
+        kls.append(_kl(logprobs(engine, row[None])[p - 1:-1], lp))
     ctx = windows.shape[1] - 1
-    c = model.config.get_text_config(decoder=True)
+    c = config.get_text_config(decoder=True)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dense = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * ctx * _compute_bytes(model)
+    dense = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * ctx * compute_bytes
     kl = np.concatenate(kls)
     return {
         "kvfid/ppl": math.exp(nll / count),
@@ -63,11 +63,6 @@ def probe(model, windows: torch.Tensor, cfg: CacheProbeConfig, cache_factory) ->
         "kv/ratio_vs_dense": kv_bytes / dense,
         "kv/ctx_tokens": float(ctx),
     }
-
-
-def _compute_bytes(model) -> int:
-    """Element size of the activations (the dtype an unquantized cache would hold)."""
-    return model.get_input_embeddings().weight.element_size()
 
 
 def _kl(ref: torch.Tensor, q: torch.Tensor) -> np.ndarray:

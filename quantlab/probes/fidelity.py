@@ -21,11 +21,9 @@ log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def logprobs(engine, ids: torch.Tensor) -> torch.Tensor:
     """Next-token log-probs ``[T, V]`` in float32 for one sequence ``ids: [1, T]``."""
-    device = next(model.parameters()).device
-    logits = model(input_ids=ids.to(device), use_cache=False).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1).cpu()
+    return torch.log_softmax(engine.logits(ids)[0].float(), dim=-1).cpu()
 
 
 def compare(ref_logp: torch.Tensor, logp: torch.Tensor) -> dict[str, float]:
@@ -47,12 +45,10 @@ def compare(ref_logp: torch.Tensor, logp: torch.Tensor) -> dict[str, float]:
     }
 
 
-def reference(
-    key: dict, ids: torch.Tensor, cache_dir: str, build: Callable[[], torch.nn.Module]
-) -> torch.Tensor:
+def reference(key: dict, ids: torch.Tensor, cache_dir: str, build: Callable[[], object]) -> torch.Tensor:
     """Cached reference log-probs. ``key`` identifies model + reference precision;
     the token ids are hashed in, so another corpus or length gets another entry.
-    ``build`` loads the reference model and is only called on a cache miss."""
+    ``build`` returns the reference engine and is only called on a cache miss."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
     digest.update(ids.numpy().tobytes())
     path = Path(cache_dir).expanduser() / "reference" / f"{digest.hexdigest()[:24]}.safetensors"

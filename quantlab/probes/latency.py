@@ -1,34 +1,20 @@
 """Decode-loop latency: TTFT, per-token latency, throughput, peak RSS.
 
 One request = tokenize -> prefill -> sample first token (TTFT ends here) ->
-``new_tokens - 1`` decode steps, each timed on its own (TPOT samples). Nothing
-is derived by subtraction, so no figure can go negative. Greedy sampling.
-Warm-up requests are run and discarded first.
+``new_tokens - 1`` decode steps, each timed on its own (TPOT samples), in the
+engine's run of the shared loop (:mod:`quantlab.decode`). Nothing is derived
+by subtraction, so no figure can go negative. Greedy sampling. Warm-up
+requests are run and discarded first.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-import torch
-from transformers import DynamicCache
-
 from quantlab.config import LatencyProbeConfig
+from quantlab.decode import Clock
 from quantlab.probes.memory import PeakRSS
-from quantlab.schemes.kv import cache_bytes
 from quantlab.stats import summarize
-
-
-class Clock:
-    """Wall clock in ms; synchronizes CUDA first so queued kernels are counted."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def now_ms(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter_ns() / 1e6
 
 
 @dataclass
@@ -44,30 +30,19 @@ class RequestTiming:
         return self.ttft_ms + sum(self.step_ms)
 
 
-@torch.inference_mode()
-def run_request(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, clock: Clock,
-                cache_factory=DynamicCache, batch: int | None = None,
-                prompt_tokens: int | None = None) -> RequestTiming:
+def run_request(engine, tokenizer, prompt: str, cfg: LatencyProbeConfig, clock: Clock,
+                batch: int | None = None, prompt_tokens: int | None = None) -> RequestTiming:
     """Time one batched greedy generation of ``cfg.new_tokens`` tokens (batch and
-    prompt length default to the primary cell's)."""
+    prompt length default to the primary cell's): tokenize here, decode in the
+    engine's loop."""
     batch, prompt_tokens = batch or cfg.batch_size, prompt_tokens or cfg.prompt_tokens
-    device = next(model.parameters()).device
     t0 = clock.now_ms()
     ids = tokenizer([prompt] * batch, return_tensors="pt", add_special_tokens=False)
-    ids = ids["input_ids"][:, :prompt_tokens].to(device)
-    t1 = clock.now_ms()
-    cache = cache_factory(config=model.config)
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-    t2 = clock.now_ms()
-    timing = RequestTiming(tokenize_ms=t1 - t0, prefill_ms=t2 - t1, ttft_ms=t2 - t0)
-    for _ in range(cfg.new_tokens - 1):
-        s = clock.now_ms()
-        out = model(input_ids=nxt, cache=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        timing.step_ms.append(clock.now_ms() - s)
-    timing.kv_bytes = cache_bytes(cache)
-    return timing
+    ids = ids["input_ids"][:, :prompt_tokens]
+    tokenize_ms = clock.now_ms() - t0
+    out = engine.decode(ids, cfg.new_tokens, clock)
+    return RequestTiming(tokenize_ms=tokenize_ms, prefill_ms=out.prefill_ms, ttft_ms=tokenize_ms + out.prefill_ms,
+                         step_ms=out.step_ms, kv_bytes=out.kv_bytes)
 
 
 def cells(cfg: LatencyProbeConfig) -> list[tuple[int, int]]:
@@ -78,20 +53,18 @@ def cells(cfg: LatencyProbeConfig) -> list[tuple[int, int]]:
     return [primary, *(c for c in grid if c != primary)]
 
 
-def measure_cell(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, batch: int, prompt_tokens: int,
-                 cache_factory=DynamicCache, request=run_request) -> tuple[dict[str, float], list[RequestTiming]]:
-    """Warm-up, then requests until ``repeats`` and ``min_seconds`` are both met.
-    ``request`` times one request (``run_request``'s signature); a target whose
-    model runs elsewhere (Neuron worker) passes its own."""
-    clock = Clock(next(model.parameters()).device)
+def measure_cell(engine, tokenizer, prompt: str, cfg: LatencyProbeConfig, batch: int,
+                 prompt_tokens: int) -> tuple[dict[str, float], list[RequestTiming]]:
+    """Warm-up, then requests until ``repeats`` and ``min_seconds`` are both met."""
+    clock = engine.clock()
     for _ in range(cfg.warmup):
-        request(model, tokenizer, prompt, cfg, clock, cache_factory, batch, prompt_tokens)
+        run_request(engine, tokenizer, prompt, cfg, clock, batch, prompt_tokens)
     runs: list[RequestTiming] = []
     began = time.perf_counter()
     with PeakRSS(cfg.rss_sample_hz) as rss:
         while len(runs) < cfg.max_repeats and (
                 len(runs) < cfg.repeats or time.perf_counter() - began < cfg.min_seconds):
-            runs.append(request(model, tokenizer, prompt, cfg, clock, cache_factory, batch, prompt_tokens))
+            runs.append(run_request(engine, tokenizer, prompt, cfg, clock, batch, prompt_tokens))
     steps = [s for r in runs for s in r.step_ms]
     metrics = {
         **summarize("lat/ttft_ms", [r.ttft_ms for r in runs]),
@@ -109,8 +82,8 @@ def measure_cell(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, batch: 
     return metrics, runs
 
 
-def measure(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, cache_factory=DynamicCache,
-            request=run_request) -> tuple[dict[str, float], list[tuple[int, int, RequestTiming]]]:
+def measure(engine, tokenizer, prompt: str,
+            cfg: LatencyProbeConfig) -> tuple[dict[str, float], list[tuple[int, int, RequestTiming]]]:
     """Every grid cell. The primary cell's metrics keep plain names
     (``lat/tpot_ms_p50``); every cell also logs ``cell/b{B}_p{P}/<name>``.
     ``prompt`` must tokenize to at least the longest prompt length."""
@@ -123,7 +96,7 @@ def measure(model, tokenizer, prompt: str, cfg: LatencyProbeConfig, cache_factor
                                  "lat/new_tokens": float(cfg.new_tokens)}
     raw: list[tuple[int, int, RequestTiming]] = []
     for i, (b, p) in enumerate(cells(cfg)):
-        cell, runs = measure_cell(model, tokenizer, prompt, cfg, b, p, cache_factory, request)
+        cell, runs = measure_cell(engine, tokenizer, prompt, cfg, b, p)
         if i == 0:
             metrics.update(cell)
         metrics.update({f"cell/b{b}_p{p}/{k.split('/', 1)[1]}": v for k, v in cell.items()

@@ -39,14 +39,13 @@ def windows(ids: torch.Tensor, window: int, max_windows: int | None) -> torch.Te
 
 
 @torch.inference_mode()
-def token_perplexity(model: torch.nn.Module, wins: torch.Tensor) -> dict[str, float]:
+def token_perplexity(engine, wins: torch.Tensor) -> dict[str, float]:
     """exp(mean NLL) over every predicted token of every window (window-1 per window)."""
-    device = next(model.parameters()).device
     nll, count = 0.0, 0
     for row in wins:
-        logits = model(input_ids=row[None].to(device), use_cache=False).logits[0, :-1].float()
+        logits = engine.logits(row[None])[0, :-1].float()
         logp = torch.log_softmax(logits, dim=-1)
-        target = row[1:].to(device)
+        target = row[1:].to(logp.device)
         nll -= logp.gather(-1, target[:, None]).sum().item()
         count += target.numel()
     window = wins.shape[1]

@@ -10,9 +10,8 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
-from quantlab.probes.latency import Clock
+from quantlab.decode import greedy
 
 
 def _stage_modules(model) -> list[tuple[str, torch.nn.Module]]:
@@ -25,20 +24,26 @@ def _stage_modules(model) -> list[tuple[str, torch.nn.Module]]:
     return mods
 
 
-@torch.inference_mode()
-def measure(model, tokenizer, prompt: str, prompt_tokens: int, steps: int, requests: int,
-            cache_factory=DynamicCache) -> tuple[dict[str, list[float]], list[float]]:
-    """Per-stage samples (ms) over ``requests x steps`` decode steps, and the
-    step totals they should add up to. ``lm_head`` includes the argmax."""
-    clock = Clock(next(model.parameters()).device)
+def measure(engine, tokenizer, prompt: str, prompt_tokens: int, steps: int,
+            requests: int) -> tuple[dict[str, list[float]], list[float]]:
+    """Per-stage samples (ms) over ``requests x steps`` decode steps of a
+    :class:`TorchEngine`, and the step totals they should add up to.
+    ``lm_head`` includes the argmax (stamped by the loop's ``choose``)."""
+    clock = engine.clock()
     live: dict[str, list[float]] = defaultdict(list)  # the hooks write here
     start: dict[str, float] = {}
     handles = []
-    for name, mod in _stage_modules(model):
+    for name, mod in _stage_modules(engine.model):
         handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: start.__setitem__(n, clock.now_ms())))
         if name != "lm_head":
             handles.append(mod.register_forward_hook(
                 lambda m, a, o, n=name: live[n].append(clock.now_ms() - start[n])))
+
+    def choose(logits, i: int):
+        nxt = greedy(logits, i)
+        live["lm_head"].append(clock.now_ms() - start["lm_head"])
+        return nxt
+
     kept: dict[str, list[float]] = defaultdict(list)
     totals: list[float] = []
     try:
@@ -46,20 +51,11 @@ def measure(model, tokenizer, prompt: str, prompt_tokens: int, steps: int, reque
             t0 = clock.now_ms()
             ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"][:, :prompt_tokens]
             kept["tokenizer"].append(clock.now_ms() - t0)
-            cache = cache_factory(config=model.config)
-            out = model(input_ids=ids.to(next(model.parameters()).device), cache=cache, use_cache=True,
-                        logits_to_keep=1)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            live.clear()  # drop the prefill's samples
-            for _ in range(steps):
-                s = clock.now_ms()
-                out = model(input_ids=nxt, cache=cache, use_cache=True)
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                end = clock.now_ms()
-                live["lm_head"].append(end - start["lm_head"])
-                totals.append(end - s)
+            live.clear()
+            out = engine.decode(ids, steps + 1, clock, choose=choose)
+            totals.extend(out.step_ms)
             for k, v in live.items():
-                kept[k].extend(v)
+                kept[k].extend(v[1:])  # the first sample of each stage is the prefill's
     finally:
         for h in handles:
             h.remove()

@@ -5,10 +5,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantlab.config import WeightScheme
 from quantlab.hardware import Hardware
+from quantlab.schemes.base import WeightScheme
 from quantlab.schemes import layers
-from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 QUANT_TYPES = ("nf4", "fp4")
 
@@ -56,4 +56,10 @@ def apply(model: torch.nn.Module, cfg: BnB4Scheme, ctx: ApplyContext) -> Applied
     return Applied(backend=f"bitsandbytes-{bnb.__version__}", emulated=False)
 
 
-register_weights("bnb4", BnB4Scheme, support, apply)
+def gguf(cfg: BnB4Scheme) -> Mapping:
+    nearest = "IQ4_NL (a non-linear 4-bit grid of its own, not NF4's levels)" if cfg.quant_type == "nf4" else "Q4_0"
+    return Mapping(reason=f"{cfg.short_name()} has no GGUF type; nearest: {nearest}; for llama.cpp use "
+                          "int4-g32-sym (Q4_0) or gptq-g32-sym")
+
+
+register_weights("bnb4", BnB4Scheme, support, apply, gguf=gguf)

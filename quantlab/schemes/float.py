@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-from quantlab.config import WeightScheme
 from quantlab.hardware import Hardware
-from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
@@ -46,4 +46,18 @@ def apply(model: torch.nn.Module, cfg: FloatScheme, ctx: ApplyContext) -> Applie
     return Applied(backend="torch", emulated=False)
 
 
-register_weights("float", FloatScheme, support, apply)
+def checkpoint(cfg: FloatScheme) -> Mapping:
+    return Mapping({"format": "hf", "dtype": cfg.dtype})
+
+
+def neuron(cfg: FloatScheme) -> Mapping:
+    if cfg.dtype == "float32":
+        return Mapping(reason="Neuron compiles bf16/fp16 (auto_cast_type); fp32 is not a deployment dtype")
+    return Mapping({"dtype": cfg.dtype, "quantization": None, "note": ""})
+
+
+def gguf(cfg: FloatScheme) -> Mapping:
+    return Mapping({"type": {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[cfg.dtype]})
+
+
+register_weights("float", FloatScheme, support, apply, checkpoint=checkpoint, neuron=neuron, gguf=gguf)

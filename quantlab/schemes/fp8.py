@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantlab.config import WeightScheme
 from quantlab.hardware import Hardware
+from quantlab.schemes.base import WeightScheme
 from quantlab.schemes import layers
 from quantlab.schemes.qlinear import FP8Linear
-from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 ACTIVATIONS = ("none", "dynamic")
@@ -67,4 +67,22 @@ def apply(model: torch.nn.Module, cfg: FP8Scheme, ctx: ApplyContext) -> Applied:
     return Applied(backend="quantlab.FP8Linear(dequant)", emulated=True)
 
 
-register_weights("fp8", FP8Scheme, support, apply)
+def checkpoint(cfg: FP8Scheme) -> Mapping:
+    return Mapping({"format": "float-quantized",
+                    "args": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}})
+
+
+def neuron(cfg: FP8Scheme) -> Mapping:
+    if cfg.activations != "none" or cfg.format != "e4m3":
+        return Mapping(reason=f"no Neuron equivalent of {cfg.short_name()}: the SDK stores f8e4m3 weights only")
+    return Mapping({"dtype": cfg.compute_dtype, "note": "Neuron f8e4m3 weight storage (trn2/inf2 SDK >= 2.21)",
+                    "quantization": {"quantized": True, "quantization_dtype": "f8e4m3",
+                                     "quantization_type": "per_channel_symmetric"}})
+
+
+def gguf(cfg: FP8Scheme) -> Mapping:
+    return Mapping(reason=f"{cfg.short_name()} has no GGUF type (llama.cpp has no FP8 blocks); nearest: Q8_0 "
+                          "(scheme/weights=int8)")
+
+
+register_weights("fp8", FP8Scheme, support, apply, checkpoint=checkpoint, neuron=neuron, gguf=gguf)

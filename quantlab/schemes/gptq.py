@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from quantlab import calibration
-from quantlab.config import WeightScheme
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers
+from quantlab.schemes.base import WeightScheme
 from quantlab.schemes.gptq_solver import HessianAccumulator, gptq_int4
+from quantlab.schemes.int4 import checkpoint as int4_checkpoint
+from quantlab.schemes.int4 import gguf as int4_gguf
 from quantlab.schemes.qlinear import Int4Linear
 from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
 
@@ -125,4 +127,4 @@ def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
     return Applied(backend="quantlab.gptq+aten._weight_int4pack_mm_for_cpu", emulated=False)
 
 
-register_weights("gptq", GPTQScheme, support, apply)
+register_weights("gptq", GPTQScheme, support, apply, checkpoint=int4_checkpoint, gguf=int4_gguf)

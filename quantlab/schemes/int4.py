@@ -5,11 +5,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantlab.config import WeightScheme
 from quantlab.hardware import Hardware
+from quantlab.schemes.base import WeightScheme
 from quantlab.schemes import layers
 from quantlab.schemes.qlinear import Int4Linear
-from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 GROUP_SIZES = (32, 64, 128, 256)
 
@@ -55,4 +55,21 @@ def apply(model: torch.nn.Module, cfg: Int4Scheme, ctx: ApplyContext) -> Applied
     return Applied(backend="aten._weight_int4pack_mm_for_cpu", emulated=False)
 
 
-register_weights("int4", Int4Scheme, support, apply)
+def checkpoint(cfg) -> Mapping:
+    """compressed-tensors int4 groups (RTN and GPTQ alike): symmetric as
+    ``pack-quantized``; asymmetric as ``int-quantized`` (asymmetric
+    ``pack-quantized`` zero points do not reload in transformers 5.24)."""
+    return Mapping({"format": "pack-quantized" if cfg.symmetric else "int-quantized",
+                    "args": {"num_bits": 4, "type": "int", "symmetric": cfg.symmetric,
+                             "group_size": cfg.group_size, "strategy": "group"}})
+
+
+def gguf(cfg) -> Mapping:
+    """Q4_0 (symmetric: zero point 8) or Q4_1 (integer zero point -> m = -zp * d);
+    a group of 64+ spans several 32-blocks that share its d (and m)."""
+    if cfg.group_size % 32:
+        return Mapping(reason=f"group size {cfg.group_size} is not a multiple of llama.cpp's 32-weight blocks")
+    return Mapping({"type": "Q4_0" if cfg.symmetric else "Q4_1"})
+
+
+register_weights("int4", Int4Scheme, support, apply, checkpoint=checkpoint, gguf=gguf)

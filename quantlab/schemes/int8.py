@@ -5,11 +5,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantlab.config import WeightScheme
 from quantlab.hardware import Hardware
+from quantlab.schemes.base import WeightScheme
 from quantlab.schemes import layers
 from quantlab.schemes.qlinear import Int8Linear
-from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 
 @dataclass
@@ -43,4 +43,22 @@ def apply(model: torch.nn.Module, cfg: Int8Scheme, ctx: ApplyContext) -> Applied
     return Applied(backend="aten._weight_int8pack_mm", emulated=False)
 
 
-register_weights("int8", Int8Scheme, support, apply)
+def checkpoint(cfg: Int8Scheme) -> Mapping:
+    """compressed-tensors ``int-quantized``: int8 per output channel, symmetric."""
+    return Mapping({"format": "int-quantized",
+                    "args": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}})
+
+
+def neuron(cfg: Int8Scheme) -> Mapping:
+    """The Neuron SDK quantizes at export (same per-channel symmetric int8)."""
+    return Mapping({"dtype": cfg.compute_dtype, "note": "Neuron weight-only int8 (quantized weights, bf16 compute)",
+                    "quantization": {"quantized": True, "quantization_dtype": "int8",
+                                     "quantization_type": "per_channel_symmetric"}})
+
+
+def gguf(cfg: Int8Scheme) -> Mapping:
+    """Q8_0: each 32-block takes its channel's scale (fp16)."""
+    return Mapping({"type": "Q8_0"})
+
+
+register_weights("int8", Int8Scheme, support, apply, checkpoint=checkpoint, neuron=neuron, gguf=gguf)

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, Fp8QuantizedLayer, QuantizedLayer
 
-from quantlab.config import KVScheme
+from quantlab.schemes.base import KVScheme
 from quantlab.hardware import Hardware
 from quantlab.schemes.registry import Applied, ApplyContext, Support, register_kv
 
@@ -173,7 +173,7 @@ def apply(model: torch.nn.Module, cfg: KVScheme, ctx: ApplyContext) -> Applied:
     backend = {NoKV: "transformers.DynamicCache", Int8KV: f"quantlab.Int8Layer({getattr(cfg, 'scales', '')})",
                Int4KV: "quantlab.Int4Layer(transformers.QuantizedLayer)",
                FP8KV: "transformers.Fp8QuantizedLayer"}[type(cfg)]
-    return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg))
+    return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg), config=cfg)
 
 
 for _name, _cls in (("none", NoKV), ("int8", Int8KV), ("int4", Int4KV), ("fp8", FP8KV)):

@@ -7,11 +7,16 @@ A handler is two functions:
   (with the reason). Called before anything is loaded.
 * ``apply(model, cfg, ctx) -> Applied``: quantize ``model`` in place and say
   which backend served it.
+
+Plus, optionally, how other formats and runtimes represent the scheme
+(``formats``: ``"checkpoint"`` for export, ``"neuron"``, ``"gguf"``), each a
+function ``cfg -> Mapping``; export and targets ask ``handler.mapping(name, cfg)``
+instead of testing scheme types.
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import torch
@@ -55,6 +60,20 @@ class Applied:
     backend: str
     emulated: bool
     cache_factory: Callable[..., Any] | None = None  # KV schemes: factory(config=...) -> Cache
+    config: Any = None  # the scheme config that was applied
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """How format/runtime X represents a scheme: ``spec`` (X-specific fields), or
+    ``reason`` (one line) why it cannot."""
+
+    spec: dict[str, Any] | None = None
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.spec is not None
 
 
 @dataclass(frozen=True)
@@ -63,14 +82,22 @@ class Handler:
     config_type: type
     support: Callable[[Any, Hardware], Support]
     apply: Callable[[torch.nn.Module, Any, ApplyContext], Applied]
+    formats: dict[str, Callable[[Any], Mapping]] = field(default_factory=dict)
+
+    def mapping(self, fmt: str, cfg: Any) -> Mapping:
+        """``cfg`` in format ``fmt``; a scheme that registered no such mapping says so."""
+        if fmt not in self.formats:
+            return Mapping(reason=f"{cfg.short_name()} has no {fmt} representation")
+        return self.formats[fmt](cfg)
 
 
 _WEIGHTS: dict[type, Handler] = {}
 _KV: dict[type, Handler] = {}
 
 
-def register_weights(schema: str, config_type: type, support, apply) -> None:
-    _WEIGHTS[config_type] = Handler(schema, config_type, support, apply)
+def register_weights(schema: str, config_type: type, support, apply, **formats) -> None:
+    """``formats``: keyword per format name (``checkpoint=``, ``neuron=``, ``gguf=``)."""
+    _WEIGHTS[config_type] = Handler(schema, config_type, support, apply, formats)
 
 
 def register_kv(schema: str, config_type: type, support, apply) -> None:

@@ -1,36 +1,59 @@
 """Targets: where a point runs. ``get(cfg)`` picks the implementation by config type.
 
 A target answers ``supports(weights, kv)`` before anything is loaded (so an
-impossible point is recorded as skipped, not crashed) and ``compile(model)``
-turns the quantized model into the runnable that the probes time.
+impossible point is recorded as skipped, not crashed) and ``engine(model, kv)``
+turns the quantized model into the engine the probes talk to. A new runtime is
+one module that defines its config dataclass and target and calls
+:func:`register`, plus its YAML preset under ``conf/target/``.
+
+This package imports only the standard library at start: the Neuron worker
+(``quantlab.targets.neuron_worker``) runs under an interpreter without
+quantlab's dependencies.
 """
 from __future__ import annotations
 
-from quantlab.config import CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig, TargetConfig
-from quantlab.targets.base import Target
+import importlib
+from typing import Any
+
+_MODULES = ("quantlab.targets.cpu", "quantlab.targets.cuda", "quantlab.targets.neuron",
+            "quantlab.targets.llamacpp")
+_TARGETS: dict[type, type] = {}
 
 
-def get(cfg: TargetConfig) -> Target:
-    from quantlab.targets.cpu import CPUTarget
-    from quantlab.targets.cuda import CUDATarget
-    from quantlab.targets.neuron import NeuronTarget
+def register(config_type: type, target_cls: type) -> None:
+    """Make ``target_cls(cfg)`` the target of configs of ``config_type``."""
+    _TARGETS[config_type] = target_cls
 
-    table = {CPUTargetConfig: CPUTarget, CUDATargetConfig: CUDATarget, NeuronTargetConfig: NeuronTarget}
+
+def _load() -> None:
+    for mod in _MODULES:
+        importlib.import_module(mod)
+
+
+def config_types() -> list[type]:
+    """Every registered target config dataclass (stored in Hydra's ConfigStore)."""
+    _load()
+    return list(_TARGETS)
+
+
+def get(cfg: Any):
+    _load()
     try:
-        return table[type(cfg)](cfg)
+        cls = _TARGETS[type(cfg)]
     except KeyError:
-        raise TypeError(f"no target for {type(cfg).__name__}") from None
+        known = ", ".join(sorted(t.__name__ for t in _TARGETS))
+        raise TypeError(f"no target for {type(cfg).__name__}; known: {known}") from None
+    return cls(cfg)
 
 
-def label(cfg: TargetConfig) -> str:
+def label(cfg: Any) -> str:
     """The target part of a run name: ``cpu``, ``cpu+compile``, ``cuda+graphs+static``.
     A pure function of the config (no validation), so a bad option still names its run."""
     parts = [cfg.name]
-    if isinstance(cfg, (CPUTargetConfig, CUDATargetConfig)):
-        if cfg.compile:
-            mode = cfg.compile_mode
-            parts.append("graphs" if mode == "reduce-overhead" else "compile" if mode == "default"
-                         else f"compile-{mode}")
-        if cfg.static_cache:
-            parts.append("static")
+    mode = getattr(cfg, "compile_mode", None)
+    if mode is not None and cfg.compile:
+        parts.append("graphs" if mode == "reduce-overhead" else "compile" if mode == "default"
+                     else f"compile-{mode}")
+    if getattr(cfg, "static_cache", 0):
+        parts.append("static")
     return "+".join(parts)

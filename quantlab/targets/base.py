@@ -1,89 +1,79 @@
-"""The target contract shared by cpu, cuda and neuron; ``LocalTarget`` is the
-in-process torch path of cpu and cuda (eager, torch.compile, static cache)."""
+"""The target contract shared by cpu, cuda, neuron and llamacpp; ``LocalTarget``
+is the in-process torch path of cpu and cuda (eager, torch.compile, static cache).
+
+A target answers two questions and does one thing:
+
+* ``supports(weights, kv)``: real / emulated / unsupported (reason), asked
+  before anything is loaded;
+* ``session()``: a context for the point that sets process-wide settings
+  (threads) and restores them, and releases workers, when the point ends;
+* ``engine(model, kv, tokenizer)``: turn the quantized model into the :class:`Engine`
+  every probe talks to (compile, export, load; the time it took is
+  ``engine.ready_s``).
+
+``apply_weights`` quantizes with the scheme's handler; a target whose runtime
+quantizes at export (Neuron) overrides it.
+"""
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from transformers import StaticCache
 
+from quantlab.engines.base import Engine
+from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
 from quantlab.hardware import Hardware
-from quantlab.schemes.registry import Support, kv_handler, weights_handler
+from quantlab.schemes.registry import Applied, Support, kv_handler, weights_handler
 
 _ORDER = {"real": 0, "emulated": 1, "unsupported": 2}
 
 
+def worst(verdicts: list[Support]) -> Support:
+    """The least runnable verdict, with the reasons of those that share it."""
+    w = max(verdicts, key=lambda s: _ORDER[s.status])
+    return Support(w.status, "; ".join(v.reason for v in verdicts if v.status == w.status and v.reason))
+
+
 class Target(abc.ABC):
     name: str
-    # The model runs in this process, so probes that drive it step by step with
-    # a host-side KV cache (cache probe, stage table) can run.
-    in_process: bool = True
-
-    def no_stage_table(self) -> str:
-        """Why the per-stage table cannot be measured here ('' when it can)."""
-        return "" if self.in_process else f"the model runs in the {self.name} worker"
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
 
     @abc.abstractmethod
     def hardware(self) -> Hardware | None:
-        """The device this target runs on, or None when it is not present."""
+        """The device this target runs on, or None when it is not present
+        (``missing_reason`` says why)."""
 
-    @abc.abstractmethod
     def missing_reason(self) -> str:
-        """Why ``hardware()`` is None (one line)."""
-
-    @property
-    @abc.abstractmethod
-    def device(self) -> torch.device: ...
+        return f"no {self.name} device"
 
     def supports(self, weights: Any, kv: Any) -> Support:
         """Worst of the weight and KV verdicts on this target's hardware."""
         hw = self.hardware()
         if hw is None:
             return Support("unsupported", self.missing_reason())
-        verdicts = [weights_handler(weights).support(weights, hw), kv_handler(kv).support(kv, hw)]
-        worst = max(verdicts, key=lambda s: _ORDER[s.status])
-        reasons = "; ".join(v.reason for v in verdicts if v.status == worst.status and v.reason)
-        return Support(worst.status, reasons)
+        return worst([weights_handler(weights).support(weights, hw), kv_handler(kv).support(kv, hw)])
 
-    def prepare(self) -> None:
-        """Process-wide settings (threads) applied before the model is loaded."""
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Process-wide settings for one point, undone when it ends."""
+        yield
 
-    def apply_weights(self, model: torch.nn.Module, weights: Any, ctx) -> Any:
-        """Quantize ``model`` in place with the scheme's handler; ``Applied``."""
+    def apply_weights(self, model: torch.nn.Module, weights: Any, ctx) -> Applied:
+        """Quantize ``model`` in place with the scheme's handler."""
         return weights_handler(weights).apply(model, weights, ctx)
 
-    def decode_cache(self, factory):
-        """The KV-cache factory the latency probe and warm-up decode into."""
-        return factory
-
-    def compile_metrics(self) -> dict[str, float]:
-        """Target-specific figures of the last ``compile`` (export time, artifact size)."""
-        return {}
-
-    def close(self) -> None:
-        """Release what the target holds (a worker process); idempotent."""
-
     @abc.abstractmethod
-    def compile(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Turn the (quantized) model into the runnable the probes use."""
-
-    @abc.abstractmethod
-    def warm_up(self, model: torch.nn.Module, cache_factory) -> float:
-        """Seconds until the runnable is ready to be timed (compile time for a
-        compiled model), logged apart from probe latency."""
-
-    def measure_latency(self, model, tokenizer, prompt: str, cfg, cache_factory):
-        """The latency probe; ``(metrics, raw)`` as ``probes.latency.measure``."""
-        from quantlab.probes import latency
-
-        return latency.measure(model, tokenizer, prompt, cfg, cache_factory)
+    def engine(self, model: torch.nn.Module, kv: Applied, tokenizer) -> Engine:
+        """The ready engine for the quantized ``model`` and the applied KV scheme
+        (``tokenizer``: for runtimes that write their own model files)."""
 
 
 class LocalTarget(Target):
@@ -101,16 +91,20 @@ class LocalTarget(Target):
         if cfg.static_cache < 0:
             raise UserError(f"{self.name}: static_cache must be >= 0 (0: dynamic cache), got {cfg.static_cache}")
 
-    def close(self) -> None:
-        """Drop this process's compiled graphs: they keep the point's model alive,
-        and every model instance counts against dynamo's recompile limit, past
-        which a later "compiled" point would silently run eager."""
-        if self.cfg.compile:
-            torch._dynamo.reset()
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device: ...
 
-    def no_stage_table(self) -> str:
-        return ("compiled: per-module timing hooks would split the compiled graph and time another program"
-                if self.cfg.compile else "")
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """On exit, drop this process's compiled graphs: they keep the point's
+        model alive, and every model instance counts against dynamo's recompile
+        limit, past which a later "compiled" point would silently run eager."""
+        try:
+            yield
+        finally:
+            if self.cfg.compile:
+                torch._dynamo.reset()
 
     def supports(self, weights: Any, kv: Any) -> Support:
         verdict = super().supports(weights, kv)
@@ -123,31 +117,24 @@ class LocalTarget(Target):
         return verdict
 
     def decode_cache(self, factory):
+        """The KV-cache factory requests decode into: the scheme's, or a StaticCache."""
         if not self.cfg.static_cache:
             return factory
         return functools.partial(StaticCache, max_cache_len=self.cfg.static_cache)
 
-    def compile(self, model: torch.nn.Module) -> torch.nn.Module:
+    def engine(self, model: torch.nn.Module, kv: Applied, tokenizer=None) -> TorchEngine:
         """Move to the device and optionally ``torch.compile`` (inductor). With a
         dynamic cache, shapes are marked dynamic so a growing cache does not
         recompile every step; with a static cache they stay static (what CUDA
-        graphs replay). Compilation happens in ``warm_up``; ``close`` drops the
-        graphs."""
+        graphs replay). The first prefill + 3 steps compile; their time is
+        ``ready_s``."""
         model = model.to(self.device)
         if self.cfg.compile:
             model.forward = torch.compile(model.forward, mode=self.cfg.compile_mode,
                                           dynamic=None if self.cfg.static_cache else True)
-        return model
-
-    @torch.inference_mode()
-    def warm_up(self, model: torch.nn.Module, cache_factory, prompt_tokens: int = 16, steps: int = 3) -> float:
-        """Seconds spent in the first prefill + decode steps."""
-        ids = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), device=self.device)
+        eng = TorchEngine(model, self.device, self.decode_cache(kv.cache_factory), compiled=self.cfg.compile)
+        ids = torch.randint(0, eng.vocab_size, (1, 16))
         t = time.perf_counter()
-        cache = cache_factory(config=model.config)
-        nxt = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(steps):
-            nxt = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t
+        eng.decode(ids, 4)
+        eng.ready_s = time.perf_counter() - t
+        return eng

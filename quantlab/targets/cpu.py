@@ -2,11 +2,15 @@
 optional static KV cache."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from quantlab import hardware
 from quantlab.config import CPUTargetConfig
 from quantlab.schemes.bnb4 import BnB4Scheme
+from quantlab.targets import register
 from quantlab.targets.base import LocalTarget
 
 
@@ -21,13 +25,22 @@ class CPUTarget(LocalTarget):
     def hardware(self):
         return hardware.cpu()
 
-    def missing_reason(self) -> str:
-        return ""
-
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    def prepare(self) -> None:
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """``target.threads`` for this point only: the next point of the same
+        process gets the threads its own config says."""
+        before = torch.get_num_threads()
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
+        try:
+            with super().session():
+                yield
+        finally:
+            torch.set_num_threads(before)
+
+
+register(CPUTargetConfig, CPUTarget)

@@ -7,6 +7,7 @@ import torch
 from quantlab import hardware
 from quantlab.config import CUDATargetConfig
 from quantlab.errors import UserError
+from quantlab.targets import register
 from quantlab.targets.base import LocalTarget
 
 
@@ -32,3 +33,6 @@ class CUDATarget(LocalTarget):
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", self.cfg.device)
+
+
+register(CUDATargetConfig, CUDATarget)

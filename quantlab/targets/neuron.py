@@ -8,19 +8,23 @@ request per line on stdin, one JSON reply per line on stdout.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from quantlab.config import NeuronTargetConfig
+from quantlab.decode import Decoded, greedy
+from quantlab.engines.base import Engine
 from quantlab.errors import UserError
 from quantlab.hardware import Hardware
-from quantlab.schemes.registry import Applied, Support
+from quantlab.schemes.registry import Applied, Support, weights_handler
+from quantlab.targets import register
 from quantlab.targets.base import Target
 
 WORKER = "quantlab.targets.neuron_worker"
@@ -28,25 +32,19 @@ DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def weight_support(weights: Any) -> Support:
-    """What the Neuron stack can run for a quantlab weight scheme."""
-    from quantlab.schemes.float import FloatScheme
-    from quantlab.schemes.fp8 import FP8Scheme
-    from quantlab.schemes.int8 import Int8Scheme
-
-    if isinstance(weights, FloatScheme):
-        if weights.dtype in DTYPES:
-            return Support("real")
-        return Support("unsupported", "Neuron compiles bf16/fp16 (auto_cast_type); fp32 is not a deployment dtype")
-    if isinstance(weights, Int8Scheme):
-        return Support("real", "Neuron weight-only int8 (quantized weights, bf16 compute)")
-    if isinstance(weights, FP8Scheme) and weights.activations == "none" and weights.format == "e4m3":
-        return Support("real", "Neuron f8e4m3 weight storage (trn2/inf2 SDK >= 2.21)")
-    return Support("unsupported", f"no Neuron equivalent of {type(weights).__name__} ({weights.short_name()})")
+    """What the Neuron stack can run for a quantlab weight scheme (its ``neuron`` mapping)."""
+    h = weights_handler(weights)
+    m = h.mapping("neuron", weights)
+    if not m.ok:
+        return Support("unsupported", m.reason if "neuron" in h.formats
+                       else f"no Neuron equivalent of {type(weights).__name__} ({weights.short_name()})")
+    return Support("real", m.spec["note"])
 
 
 def compile_dtype(weights: Any) -> str:
     """The torch dtype name the Neuron compiler casts a point to (bf16 or fp16)."""
-    dtype = getattr(weights, "dtype", None) or getattr(weights, "compute_dtype", "bfloat16")
+    m = weights_handler(weights).mapping("neuron", weights)
+    dtype = m.spec["dtype"] if m.ok else getattr(weights, "dtype", None)
     if dtype not in DTYPES:
         raise UserError(f"neuron: dtype {dtype} not compilable; valid: {', '.join(DTYPES)}")
     return dtype
@@ -58,9 +56,6 @@ def export_kwargs(cfg: NeuronTargetConfig, weights: Any, api: str) -> dict[str, 
     ``api``: ``legacy`` (optimum-neuron < 0.3: ``num_cores``, ``auto_cast_type``)
     or ``current`` (>= 0.3: ``tensor_parallel_size``, ``torch_dtype``).
     """
-    from quantlab.schemes.fp8 import FP8Scheme
-    from quantlab.schemes.int8 import Int8Scheme
-
     dtype = compile_dtype(weights)
     kw: dict[str, Any] = {"export": True, "batch_size": cfg.batch_size, "sequence_length": cfg.sequence_length}
     if api == "legacy":
@@ -69,10 +64,9 @@ def export_kwargs(cfg: NeuronTargetConfig, weights: Any, api: str) -> dict[str, 
         kw.update(tensor_parallel_size=cfg.num_cores, torch_dtype=dtype)
     else:
         raise ValueError(f"api {api!r}; valid: legacy, current")
-    if isinstance(weights, Int8Scheme):
-        kw["quantization"] = {"quantized": True, "quantization_dtype": "int8", "quantization_type": "per_channel_symmetric"}
-    elif isinstance(weights, FP8Scheme):
-        kw["quantization"] = {"quantized": True, "quantization_dtype": "f8e4m3", "quantization_type": "per_channel_symmetric"}
+    quant = weights_handler(weights).mapping("neuron", weights).spec["quantization"]
+    if quant:
+        kw["quantization"] = dict(quant)
     return kw
 
 
@@ -132,18 +126,53 @@ def _passthrough() -> dict[str, str]:
     return {k: os.environ[k] for k in keep if k in os.environ}
 
 
+class NeuronEngine(Engine):
+    """The model compiled in the worker: logits and timed greedy requests come
+    from there. It holds no host-side cache, so step-by-step probes that drive
+    one (cache probe, stage table) are refused, and host bandwidth and energy
+    counters say nothing about a NeuronCore."""
+
+    name = "neuron"
+
+    def __init__(self, client: WorkerClient, config):
+        c = config.get_text_config(decoder=True)
+        super().__init__(c.vocab_size, getattr(c, "max_position_embeddings", 2048))
+        self.client = client
+
+    def cannot(self, probe: str) -> str:
+        if probe in ("cache", "stages"):
+            return "the model runs in the neuron worker"
+        if probe == "energy":
+            return "no energy counter read on the neuron device"
+        return "host bandwidth is not a NeuronCore's" if probe == "roofline" else super().cannot(probe)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            out = str(Path(d) / "logits.pt")
+            self.client.call("logits", ids=ids.tolist(), out=out)
+            return torch.load(out, weights_only=True)
+
+    def decode(self, prompt: torch.Tensor, n_new: int, clock=None, choose=greedy, record=None) -> Decoded:
+        """Greedy decoding timed inside the worker, next to the device."""
+        if choose is not greedy or record is not None:
+            raise UserError("neuron: the worker decodes greedily; a host-side choice or record per step "
+                            "cannot cross the worker boundary")
+        r = self.client.call("generate", ids=prompt.tolist(), new_tokens=n_new)
+        return Decoded(prefill_ms=r["prefill_ms"], step_ms=r["step_ms"])
+
+
 class NeuronTarget(Target):
     """Export + compile through the worker, then probe the compiled model there.
 
     The Neuron SDK quantizes weights itself at export (``export_kwargs``), so the
     host keeps the float checkpoint (cast to the compile dtype) and hands it over;
-    fidelity, perplexity and lm-eval read logits through ``NeuronRunnable``, the
-    latency probe times greedy decoding inside the worker.
+    every probe then talks to the :class:`NeuronEngine`.
     """
 
     name = "neuron"
     cfg: NeuronTargetConfig
-    in_process = False
 
     def __init__(self, cfg: NeuronTargetConfig):
         super().__init__(cfg)
@@ -152,8 +181,6 @@ class NeuronTarget(Target):
         self._root = Path(cfg.compile_cache).expanduser()
         self._client: WorkerClient | None = None
         self._export_kw: dict[str, Any] = {}
-        self._ready_s = 0.0
-        self._compiled: dict[str, float] = {}
 
     def client(self) -> WorkerClient:
         """The worker this target drives (started once, closed by ``close``)."""
@@ -161,6 +188,14 @@ class NeuronTarget(Target):
             self._client = WorkerClient(self.cfg.python, self.cfg.timeout_s,
                                         env={"NEURON_COMPILE_CACHE_URL": str(self._root / "neuronx-cc")})
         return self._client
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """The worker lives for one point (started on first use)."""
+        try:
+            yield
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self._client is not None:
@@ -188,10 +223,6 @@ class NeuronTarget(Target):
     def missing_reason(self) -> str:
         return self._why
 
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")  # host side; the model itself lives in the worker
-
     def supports(self, weights: Any, kv: Any) -> Support:
         if self.hardware() is None:
             return Support("unsupported", self.missing_reason())
@@ -210,9 +241,10 @@ class NeuronTarget(Target):
         return Applied(backend=f"optimum-neuron {self.hello().get('optimum_neuron')}"
                                f" ({quant or 'no'} weight quantization)", emulated=False)
 
-    def compile(self, model: torch.nn.Module) -> torch.nn.Module:
+    def engine(self, model: torch.nn.Module, kv: Applied, tokenizer=None) -> NeuronEngine:
         """Save the checkpoint, export it (compile cache keyed by checkpoint and
-        export arguments: an unchanged point is not recompiled) and load it."""
+        export arguments: an unchanged point is not recompiled) and load it;
+        ``ready_s`` is export + load seconds (0 export seconds on a cache hit)."""
         import hashlib
         import tempfile
 
@@ -226,63 +258,12 @@ class NeuronTarget(Target):
             out = self._root / digest.hexdigest()[:20]
             reply = self.client().call("export", model=ckpt, out=str(out), kwargs=kw)
         loaded = self.client().call("load", model=str(out))
-        self._ready_s = reply["compile_s"] + loaded["load_s"]
-        self._compiled = {"compile/neuron_export_s": reply["compile_s"],
-                          "compile/neuron_load_s": loaded["load_s"],
-                          "compile/neuron_cached": float(reply["cached"]),
-                          "size/neuron_artifact_mb": reply["bytes"] / 2**20}
-        return NeuronRunnable(self.client(), model.config)
-
-    def compile_metrics(self) -> dict[str, float]:
-        return dict(self._compiled)
-
-    def warm_up(self, model: torch.nn.Module, cache_factory) -> float:
-        """Export + load seconds (0 export seconds when the compile cache hit)."""
-        return self._ready_s
-
-    def measure_latency(self, model, tokenizer, prompt: str, cfg, cache_factory):
-        from quantlab.probes import latency
-
-        client = self.client()
-
-        def request(_model, tok, text, lat_cfg, clock, _cache, batch, prompt_tokens):
-            t0 = clock.now_ms()
-            ids = tok([text] * batch, return_tensors="pt", add_special_tokens=False)["input_ids"][:, :prompt_tokens]
-            t1 = clock.now_ms()
-            r = client.call("generate", ids=ids.tolist(), new_tokens=lat_cfg.new_tokens)
-            return latency.RequestTiming(tokenize_ms=t1 - t0, prefill_ms=r["prefill_ms"],
-                                         ttft_ms=t1 - t0 + r["prefill_ms"], step_ms=r["step_ms"])
-
-        return latency.measure(model, tokenizer, prompt, cfg, cache_factory, request=request)
+        eng = NeuronEngine(self.client(), model.config)
+        eng.ready_s = reply["compile_s"] + loaded["load_s"]
+        eng.metrics = {"compile/neuron_export_s": reply["compile_s"], "compile/neuron_load_s": loaded["load_s"],
+                       "compile/neuron_cached": float(reply["cached"]),
+                       "size/neuron_artifact_mb": reply["bytes"] / 2**20}
+        return eng
 
 
-class NeuronRunnable(torch.nn.Module):
-    """Host-side stand-in for the model compiled in the worker: ``model(ids).logits``
-    (what fidelity, perplexity and lm-eval call) fetches ``[B, T, V]`` logits from
-    the worker. It holds no cache: step-by-step probes run in the worker."""
-
-    def __init__(self, client: WorkerClient, config):
-        super().__init__()
-        self.client = client
-        self.config = config
-        self._anchor = torch.nn.Parameter(torch.zeros(()), requires_grad=False)  # device of the runnable
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def tie_weights(self) -> None:
-        """lm-eval calls this on any module it is given; the weights live in the worker."""
-
-    def forward(self, input_ids: torch.Tensor, cache=None, **_ignored):
-        import tempfile
-
-        from transformers.modeling_outputs import CausalLMOutput
-
-        if cache is not None:
-            raise RuntimeError("a host-side KV cache cannot drive the Neuron worker")
-        with tempfile.TemporaryDirectory() as d:
-            out = str(Path(d) / "logits.pt")
-            self.client.call("logits", ids=input_ids.tolist(), out=out)
-            logits = torch.load(out, weights_only=True)
-        return CausalLMOutput(logits=logits)
+register(NeuronTargetConfig, NeuronTarget)

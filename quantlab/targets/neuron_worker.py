@@ -18,8 +18,9 @@ Requests (one JSON object a line; each reply is ``{"ok": true, ...}`` or
   ``prefill_ms`` (prompt forward + first token) and one ``step_ms`` per further token.
 * ``shutdown``.
 
-Only the standard library is imported at start, so ``hello`` works (and says
-what is missing) in any Python.
+Only the standard library is imported at start (``quantlab.decode`` and the
+``quantlab.targets`` package are standard-library only), so ``hello`` works
+(and says what is missing) in any Python.
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def _load(req: dict) -> dict:
 
 
 def _forward(ids, start: int):
-    """Last-position logits ``[B, V]`` of ``ids: [B, n]`` placed at ``start``;
+    """Last-position logits ``[B, 1, V]`` of ``ids: [B, n]`` placed at ``start``;
     ``start == 0`` starts new sequences (cache reset)."""
     import torch
 
@@ -111,14 +112,14 @@ def _forward(ids, start: int):
     logits = out.logits if hasattr(out, "logits") else out
     if logits is None:
         raise RuntimeError("the compiled model samples on device (on_device_sampling): no logits to return")
-    return logits.reshape(ids.shape[0], -1, logits.shape[-1])[:, -1].float()
+    return logits.reshape(ids.shape[0], -1, logits.shape[-1])[:, -1:].float()
 
 
 def _logits(req: dict) -> dict:
     import torch
 
     ids = torch.tensor(req["ids"], dtype=torch.long)
-    rows = [torch.stack([_forward(row[None, : t + 1], 0)[0] for t in range(ids.shape[1])]) for row in ids]
+    rows = [torch.stack([_forward(row[None, : t + 1], 0)[0, 0] for t in range(ids.shape[1])]) for row in ids]
     torch.save(torch.stack(rows), req["out"])
     return {"ok": True, "shape": [ids.shape[0], ids.shape[1], rows[0].shape[-1]]}
 
@@ -126,16 +127,10 @@ def _logits(req: dict) -> dict:
 def _generate(req: dict) -> dict:
     import torch
 
-    ids = torch.tensor(req["ids"], dtype=torch.long)
-    t0 = time.perf_counter()
-    nxt = _forward(ids, 0).argmax(-1, keepdim=True)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-    steps = []
-    for i in range(req["new_tokens"] - 1):
-        s = time.perf_counter()
-        nxt = _forward(nxt, ids.shape[1] + i).argmax(-1, keepdim=True)
-        steps.append((time.perf_counter() - s) * 1e3)
-    return {"ok": True, "prefill_ms": prefill_ms, "step_ms": steps}
+    from quantlab.decode import Clock, decode_loop
+
+    out = decode_loop(_forward, torch.tensor(req["ids"], dtype=torch.long), req["new_tokens"], Clock())
+    return {"ok": True, "prefill_ms": out.prefill_ms, "step_ms": out.step_ms}
 
 
 OPS = {"hello": _hello, "export": _export, "load": _load, "logits": _logits, "generate": _generate}

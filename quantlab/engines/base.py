@@ -1,0 +1,69 @@
+"""The engine contract: where a point's model runs, as every probe sees it.
+
+In the spirit of lm-eval's three-method ``LM``: an engine gives all-position
+logits for a batch of ids, times one greedy request, and resets. What it cannot
+do (drive a host-side KV cache, per-module timing, a host energy counter) it
+says through ``cannot(probe)``, so the pipeline never asks what kind it is.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable
+
+import torch
+
+from quantlab.decode import Clock, Decoded, greedy
+
+# What a probe may ask beyond logits/decode; ``cannot`` answers each.
+CAPABILITIES = ("cache", "stages", "roofline", "energy")
+
+
+class Engine(abc.ABC):
+    """A loaded, ready-to-time model.
+
+    * ``logits(ids)``: ``ids: [B, T]`` int64 -> float32 ``[B, T, V]`` next-token
+      logits of every position, each row scored on its own (no cache kept).
+    * ``decode(prompt, n_new, clock)``: one timed request through
+      :func:`quantlab.decode.decode_loop` (``choose``/``record`` only where
+      ``cannot("cache")`` is empty: they run host-side on every step).
+    * ``reset()``: forget any state a previous call left (caches, sequences).
+
+    ``ready_s`` is the time it took to become ready (compile, export, load),
+    logged apart from latency; ``metrics`` holds engine figures of that step.
+    """
+
+    name: str = "engine"
+    ready_s: float = 0.0
+
+    def __init__(self, vocab_size: int, max_length: int):
+        self.vocab_size = vocab_size
+        self.max_length = max_length
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def device(self) -> torch.device:
+        """Where input ids go (and which device's energy/bandwidth a probe reads)."""
+        return torch.device("cpu")
+
+    def clock(self) -> Clock:
+        return Clock()
+
+    def cannot(self, probe: str) -> str:
+        """Why ``probe`` (one of ``CAPABILITIES``) cannot run here; '' when it can."""
+        if probe not in CAPABILITIES:
+            raise ValueError(f"unknown capability {probe!r}; valid: {', '.join(CAPABILITIES)}")
+        return f"the {self.name} engine does not offer it"
+
+    @abc.abstractmethod
+    def logits(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def decode(self, prompt: torch.Tensor, n_new: int, clock: Clock | None = None,
+               choose: Callable[[Any, int], Any] = greedy,
+               record: Callable[[Any], None] | None = None) -> Decoded: ...
+
+    def reset(self) -> None:
+        """Engines that keep no state between calls have nothing to do."""
+
+    def close(self) -> None:
+        """Release what the engine holds (a worker, a native context); idempotent."""

@@ -1,0 +1,62 @@
+"""The in-process PyTorch engine (CPU and CUDA; eager or torch.compile)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+
+from quantlab.decode import Clock, Decoded, decode_loop, greedy
+from quantlab.engines.base import CAPABILITIES, Engine
+from quantlab.schemes.kv import cache_bytes
+
+
+class TorchEngine(Engine):
+    """A transformers causal LM in this process. ``cache_factory(config=...)``
+    makes the KV cache each request decodes into (a quantized one for a KV
+    scheme, a ``StaticCache`` for fixed shapes). ``compiled`` says the forward
+    is a torch.compile graph: per-module hooks would split it, so the stage
+    table is refused."""
+
+    name = "pytorch"
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu",
+                 cache_factory: Callable[..., Any] = DynamicCache, compiled: bool = False):
+        cfg = model.config.get_text_config(decoder=True)
+        super().__init__(cfg.vocab_size, getattr(cfg, "max_position_embeddings", 2048))
+        self.model = model
+        self._device = torch.device(device)
+        self.cache_factory = cache_factory
+        self.compiled = compiled
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def clock(self) -> Clock:
+        return Clock(torch.cuda.synchronize if self._device.type == "cuda" else None)
+
+    def cannot(self, probe: str) -> str:
+        if probe not in CAPABILITIES:
+            return super().cannot(probe)
+        if probe == "stages" and self.compiled:
+            return "compiled: per-module timing hooks would split the compiled graph and time another program"
+        return ""
+
+    @torch.inference_mode()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids.to(self._device), use_cache=False).logits.float()
+
+    @torch.inference_mode()
+    def decode(self, prompt: torch.Tensor, n_new: int, clock: Clock | None = None,
+               choose=greedy, record=None) -> Decoded:
+        cache = self.cache_factory(config=self.model.config)
+
+        def forward(ids: torch.Tensor, start: int) -> torch.Tensor:
+            # The prefill keeps the last position only; steps keep every input position.
+            return self.model(input_ids=ids, cache=cache, use_cache=True,
+                              logits_to_keep=1 if start == 0 else 0).logits
+
+        out = decode_loop(forward, prompt.to(self._device), n_new, clock or self.clock(), choose, record)
+        out.kv_bytes = cache_bytes(cache)
+        return out

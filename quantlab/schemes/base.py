@@ -1,0 +1,30 @@
+"""Base classes of scheme configs: a dataclass whose fields are the whole public
+surface of a scheme; it round-trips to a plain dict (MLflow params, export
+manifests) with its type name."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class WeightScheme:
+    """Base of all weight-scheme configs. Subclasses add their knobs as fields."""
+
+    def short_name(self) -> str:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, **dataclasses.asdict(self)}
+
+
+@dataclass
+class KVScheme:
+    """Base of all KV-cache scheme configs."""
+
+    def short_name(self) -> str:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, **dataclasses.asdict(self)}
