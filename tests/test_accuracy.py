@@ -148,3 +148,23 @@ def test_missing_data_dir_skips_accuracy_but_logs_the_rest(tmp_path):
     assert run.info.status == "FINISHED" and "fid/kl_mean" in run.data.metrics
     assert "expected" in run.data.tags["probe.accuracy.skipped"]
     assert "wiki.test.raw" in run.data.tags["probe.perplexity.skipped"]
+
+
+@needs_data
+def test_rolling_loglikelihood_parity_with_hflm(tiny, tmp_path):
+    """Word perplexity (loglikelihood_rolling over max_length windows) through
+    EngineLM equals HFLM's on the same model and documents."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    model, tok = tiny
+    cfg = AccuracyProbeConfig(enabled=True, tasks=["wikitext2_local"], limit=2, batch_size=2, max_length=256)
+    ours, _ = accuracy.evaluate(TorchEngine(model), tok, cfg, str(SHARED_DATA), str(tmp_path), seed=0)
+    include, counts = accuracy.prepare_tasks(cfg.tasks, str(SHARED_DATA), str(tmp_path))
+    samples = {"wikitext2_local": accuracy.sample_indices(counts["wikitext2_local"], 2, 0, "wikitext2_local")}
+    direct = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=1, max_length=256),
+                             tasks=cfg.tasks, samples=samples, bootstrap_iters=0,
+                             task_manager=TaskManager(include_path=str(include)))
+    want = direct["results"]["wikitext2_local"]["word_perplexity,none"]
+    assert ours["word_perplexity/wikitext2_local"] == pytest.approx(want, rel=1e-5)

@@ -221,3 +221,19 @@ def test_support_matrix(cfg, hw, status):
     verdict = weights_handler(cfg).support(cfg, hw)
     assert verdict.status == status
     assert (verdict.reason != "") == (status != "real") or status == "real"
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 8), groups=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_symmetric_int4_uses_all_16_levels_like_q4_0(n, groups, seed):
+    """Each group's largest-magnitude weight is reproduced exactly on level 0
+    (llama.cpp's Q4_0 rule), and the grid is finer than amax / 7 over 15 levels."""
+    w = torch.randn(n, groups * 32, generator=torch.Generator().manual_seed(seed))
+    q, scale, zero = rtn_int4(w, 32, True)
+    g = w.reshape(n, groups, 32)
+    extreme = g.gather(-1, g.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    deq = ((q.float() - 8).reshape(n, groups, 32) * scale[..., None]).reshape(n, -1)
+    torch.testing.assert_close(deq.reshape(n, groups, 32).gather(
+        -1, g.abs().argmax(-1, keepdim=True)).squeeze(-1), extreme)
+    assert (q.reshape(n, groups, 32).amin(-1) == 0).all() and torch.all(zero == 0)
+    assert (scale.abs() < g.abs().amax(-1) / 7).all()

@@ -35,10 +35,15 @@ def int4_qparams(g: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.
     stored as ``q in [0, 15]`` and read back as ``q * scale + offset``, with
     ``offset = -zero_point * scale`` for an *integer* zero point (the GPTQ, AWQ
     and compressed-tensors convention, so exports hold the very same integers).
-    Symmetric: zero point 8, scale = amax / 7. Asymmetric: the group's range
-    (widened to include 0) over the 16 levels."""
+    Symmetric: zero point 8 and all 16 levels, the rule of llama.cpp's Q4_0: the
+    group's value of largest magnitude ``m`` lands exactly on level 0, i.e.
+    ``scale = m / -8`` (negative when ``m`` is positive), so the other side
+    reaches ``7/8`` of it. (``amax / 7`` would leave level 0 unused: a 12.5 %
+    coarser step; measured on SmolLM2 Q4_0, KL 0.38 vs 0.29.) Asymmetric: the
+    group's range (widened to include 0) over the 16 levels."""
     if symmetric:
-        scale = g.abs().amax(-1).clamp_min(1e-8) / 7.0
+        m = g.gather(-1, g.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        scale = torch.where(m >= 0, m.clamp_min(1e-8), m.clamp_max(-1e-8)) / -8.0
         return scale, -8.0 * scale
     lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
     scale = ((hi - lo) / 15.0).clamp_min(1e-8)

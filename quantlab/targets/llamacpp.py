@@ -79,6 +79,7 @@ class LlamaCppEngine(Engine):
         except (ValueError, RuntimeError) as e:
             raise UserError(f"llama.cpp cannot load {path}: {str(e).splitlines()[0]}") from e
         super().__init__(vocab_size, cfg.n_ctx)
+        self.path = Path(path)
         self.n_vocab = self.llm.n_vocab()
         self.threads = threads
         self._lc = lc
