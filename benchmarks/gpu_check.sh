@@ -3,7 +3,9 @@
 #
 #   here:    python benchmarks/gpu_wheels.py          (once: .whl/, the wheels the device lacks)
 #   device:  run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
-#   dry run: GPU_CHECK_TARGET=cpu OUT=/tmp/gc bash benchmarks/gpu_check.sh   (tests/test_gpu_check.py)
+#   dry run: GPU_CHECK_TARGET=cpu OUT=/tmp/gc bash benchmarks/gpu_check.sh   (tests/test_gpu_check.py;
+#            GPU_CHECK_WHEELS=0 uses the interpreter's own packages instead of .whl, which holds
+#            CPython 3.12 wheels for the device)
 #
 # Installs the carried wheels into /tmp/site (quantlab itself runs from this tree,
 # no install), then runs three sweeps with tracking into $OUT/mlflow.db:
@@ -32,7 +34,7 @@ if [ "$TARGET" = cuda ]; then
   "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || fail "torch $("$PY" -c 'import torch; print(torch.__version__)') sees no CUDA device"
 fi
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1 && [ "${GPU_CHECK_WHEELS:-1}" = 1 ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     || fail "installing the carried wheels into $SITE failed"
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -56,19 +58,19 @@ sweep() {  # name, then overrides
   timeout "$LIMIT_S" "$PY" -m quantlab "+sweep=$name" "${COMMON[@]}" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   [ $rc -eq 124 ] && echo "sweep $name: stopped at its ${LIMIT_S} s limit" >>"$OUT/notes.txt"
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && echo "sweep $name: exit $rc ($(grep -v '^\s*$' "$OUT/$name.log" | tail -1))" \
+    >>"$OUT/notes.txt"
   log "sweep $name: exit $rc"
 }
+# (a sweep value given on the command line replaces the preset's list for that key)
 if [ "$TARGET" = cuda ]; then
   sweep launch_overhead probe.latency.repeats=5 probe.latency.new_tokens=64
-  sweep fp8_vs_int4 target=cuda \
-    'hydra.sweeper.params.scheme/weights=fp32,bf16,fp16,fp8-e4m3,fp8-w8a8,int8,int4-g64,int4-g32,nf4'
+  sweep fp8_vs_int4 target=cuda scheme/weights=fp32,bf16,fp16,fp8-e4m3,fp8-w8a8,int8,int4-g64,int4-g32,nf4
   sweep kv target=cuda probe.cache.corpus=builtin
 else  # dry run: the same sweeps and wiring on the CPU, two points each
-  sweep launch_overhead hydra.sweeper.params.target=cpu 'hydra.sweeper.params.scheme/weights=bf16,int8' \
-    probe.latency.repeats=1 probe.latency.new_tokens=4
-  sweep fp8_vs_int4 target=cpu 'hydra.sweeper.params.scheme/weights=bf16,fp8-w8a8' probe.latency.repeats=1
-  sweep kv target=cpu probe.cache.corpus=builtin 'hydra.sweeper.params.scheme/weights=bf16' \
-    'hydra.sweeper.params.scheme/kv=none,int8' probe.latency.repeats=1
+  sweep launch_overhead target=cpu scheme/weights=bf16,int8 probe.latency.repeats=1 probe.latency.new_tokens=4
+  sweep fp8_vs_int4 target=cpu scheme/weights=bf16,fp8-w8a8 probe.latency.repeats=1
+  sweep kv target=cpu probe.cache.corpus=builtin scheme/weights=bf16 scheme/kv=none,int8 probe.latency.repeats=1
 fi
 
 {
