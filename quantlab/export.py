@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from quantlab import hardware, models, tracking
 from quantlab.config import RunConfig, TrackingConfig, register_configs
+from quantlab.digest import sha256_file
 from quantlab.errors import UserError
 from quantlab.probes import corpus
 from quantlab.schemes import registry
@@ -200,14 +200,6 @@ def _verify_main(dest: str, reference: str, trust_remote_code: bool) -> int:
     return 0
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def export_run(client, run_id: str, out: Path, force: bool = False, register: str | None = None,
                tolerance: float = KL_TOLERANCE) -> dict:
     """Rebuild, write, verify, rename into place, log and (optionally) register."""
@@ -230,7 +222,7 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
         check = verify_in_fresh_process(tmp, ref_file)
         check["tolerance_kl_mean"] = tolerance
         check["passed"] = check["kl_mean"] <= tolerance
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {"source_run_id": run_id, "run_name": run.info.run_name, "format": fmt,
                     "scheme": cfg.scheme.weights.to_dict(), "model": dataclasses.asdict(cfg.model),
                     "metrics": run.data.metrics, "versions": tracking.versions(
@@ -292,7 +284,7 @@ def export_gguf(client, run_id: str, out: Path, force: bool = False) -> dict:
     finally:
         tmp.unlink(missing_ok=True)
     manifest = {"source_run_id": run_id, "format": f"gguf/{mapping.spec['type']}", "tensor_types": counts,
-                "scheme": w.to_dict(), "round_trip": check, "sha256": _sha256(out),
+                "scheme": w.to_dict(), "round_trip": check, "sha256": sha256_file(out),
                 "versions": tracking.versions(("torch", "transformers", "gguf", "llama_cpp_python", "quantlab"))}
     out.with_name(out.name + ".quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
     log.info("export: %s written (%s), llama.cpp round trip KL %.2e, top-1 %.3f", out,

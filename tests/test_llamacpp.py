@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from mlflow.tracking import MlflowClient
 
 from quantlab import gguf_export, models
-from quantlab.config import ModelConfig, TinyModelConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.hardware import cpu
 from quantlab.schemes.qlinear import rtn_int4, rtn_int8

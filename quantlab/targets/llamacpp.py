@@ -15,7 +15,6 @@ layout rather than quantlab's per-head scales).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ import torch
 from quantlab import gguf_export, hardware
 from quantlab.config import TargetConfig
 from quantlab.decode import Decoded, decode_loop, greedy
+from quantlab.digest import sha256_file
 from quantlab.engines.base import CAPABILITIES, Engine
 from quantlab.errors import UserError
 from quantlab.hardware import Hardware
@@ -183,22 +183,14 @@ class LlamaCppTarget(Target):
         path, stamp = root / f"{key}.gguf", root / f"{key}.json"
         if path.is_file() and stamp.is_file():
             want = json.loads(stamp.read_text())["sha256"]
-            if _sha256(path) != want:
+            if sha256_file(path) != want:
                 raise UserError(f"llamacpp: GGUF cache entry {path} is corrupt (sha256 differs from {stamp.name}); "
                                 "delete both files to re-export")
             return path, True
         counts = gguf_export.write(model, tokenizer, path, source)
-        stamp.write_text(json.dumps({"sha256": _sha256(path), "types": counts}))
+        stamp.write_text(json.dumps({"sha256": sha256_file(path), "types": counts}))
         log.info("GGUF written: %s (%s)", path, ", ".join(f"{v} {k}" for k, v in counts.items()))
         return path, False
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 register(LlamaCppTargetConfig, LlamaCppTarget)
