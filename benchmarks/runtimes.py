@@ -68,12 +68,6 @@ def quantized(cfg: ModelConfig, name: str, cache_dir: str, data_dir: str | None)
     return model, tok, size.weight_stats(model, n)["size/weight_bytes"]
 
 
-def gguf_weight_bytes(path: Path) -> float:
-    import gguf
-
-    return float(sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors))
-
-
 def own_quantized(cfg: ModelConfig, ftype: str, cache_dir: str, tmp: Path, threads: int) -> Path:
     """llama.cpp's quantizer applied to an F32 GGUF of the model (embedding/output kept BF16)."""
     import llama_cpp
@@ -105,13 +99,13 @@ def build(args, tmp: Path) -> dict[tuple[str, str], tuple]:
                     continue
                 path = own_quantized(cfg, OWN_FTYPE[s], args.cache_dir, tmp, args.threads)
                 eng = LlamaCppEngine(path, lc_cfg, "F16", 0)
-                built[(s, rt)] = (eng, None, gguf_weight_bytes(path))
+                built[(s, rt)] = (eng, None, gguf_export.tensor_bytes(path))
             else:
                 model, tok, nbytes = quantized(cfg, s, args.cache_dir, args.data_dir)
                 kv = kv_apply(model, NoKV(), None)
                 if rt == "llamacpp":
                     eng = LlamaCppTarget(lc_cfg).engine(model, kv, tok)
-                    nbytes = gguf_weight_bytes(eng.path)
+                    nbytes = gguf_export.tensor_bytes(eng.path)
                 else:
                     target = CPUTarget(CPUTargetConfig(compile=rt == "compile"))
                     eng = target.engine(model, kv, tok)

@@ -245,6 +245,13 @@ def write(model: torch.nn.Module, tokenizer, dest: Path, source_gguf: Path | Non
     return counts
 
 
+def tensor_bytes(path: Path) -> float:
+    """Bytes of all tensors in a GGUF file: what a decode step reads from it."""
+    import gguf
+
+    return float(sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors))
+
+
 def content_key(model: torch.nn.Module, extra: str = "") -> str:
     """sha256 over every tensor the point holds (and ``extra``): the GGUF cache key."""
     h = hashlib.sha256(extra.encode())

@@ -294,7 +294,9 @@ def _latency(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
         peak = roofline.host_bandwidth(cfg.cache_dir, engine.device)
         b, p = latency.cells(lat)[0]
         kv_mid = out.get("mem/kv_mb", 0.0) * 2**20 * (p + lat.new_tokens / 2) / (p + lat.new_tokens)
-        out.update(roofline.utilisation(m.metrics["size/weight_bytes"] + kv_mid, out["lat/tpot_ms_p50"], peak))
+        # the runtime's own weight bytes where it stores them differently (llama.cpp's blocks)
+        weights = m.metrics.get("size/runtime_weight_bytes", m.metrics["size/weight_bytes"])
+        out.update(roofline.utilisation(weights + kv_mid, out["lat/tpot_ms_p50"], peak))
     m.artifacts["latency_samples.csv"] = latency.samples_csv(raw)
     if lat.stages and (why := engine.cannot("stages")):
         tags["probe.stages.skipped"] = why

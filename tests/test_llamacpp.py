@@ -111,6 +111,7 @@ def test_llamacpp_sweep_end_to_end(tmp_path):
         assert r.metrics["lat/tpot_ms_count"] == 2 * (compose_cfg(["probe=smoke"]).probe.latency.new_tokens - 1)
         assert r.metrics["lat/ttft_ms_p50"] > 0
         assert r.metrics["fid/kl_mean"] < 0.5 and r.metrics["size/gguf_mb"] > 0
+        assert r.metrics["size/runtime_weight_bytes"] == pytest.approx(r.metrics["size/weight_bytes"], rel=0.2)
         assert "no per-module timing" in r.tags["probe.stages.skipped"]
         assert "no cache-free reference" in r.tags["probe.cache.skipped"]
     assert "q8_0" in kv8.tags["support.reason"]

@@ -63,13 +63,20 @@ def measure(engine, tokenizer, prompt: str, prompt_tokens: int, steps: int,
 
 
 def table(samples: dict[str, list[float]], totals: list[float]) -> tuple[str, dict[str, float]]:
-    """CSV (stage, p50, p99, mean, share of step) and flat metrics for the main stages."""
+    """CSV (stage, p50, p99, mean, share of step) and flat metrics for the main stages.
+    ``between_stages`` is the part of each step no module accounts for (mask and
+    cache bookkeeping, Python between modules), so the rows add up to the step."""
     layers = [k for k in samples if k.startswith("layer.")]
     per_step_layers = np.sum([samples[k] for k in layers], axis=0) if layers else np.zeros(0)
+    named = [samples[k] for k in ("embedding", "final_norm", "lm_head", *layers)]
+    if "rotary" in samples:
+        named.append(samples["rotary"])
+    between = np.asarray(totals, dtype=float) - np.sum(named, axis=0)
     rows = [("embedding", samples["embedding"]), ("rotary", samples.get("rotary", [0.0])),
             *((k, samples[k]) for k in sorted(layers)),
             ("decoder_layers_total", list(per_step_layers)), ("final_norm", samples["final_norm"]),
-            ("lm_head+sample", samples["lm_head"]), ("step_total", totals), ("tokenizer", samples["tokenizer"])]
+            ("lm_head+sample", samples["lm_head"]), ("between_stages", list(between)), ("step_total", totals),
+            ("tokenizer", samples["tokenizer"])]
     mean_total = float(np.mean(totals))
     lines = ["stage,p50_ms,p99_ms,mean_ms,share_of_step"]
     metrics = {}

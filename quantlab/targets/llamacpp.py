@@ -174,7 +174,8 @@ class LlamaCppTarget(Target):
         eng = LlamaCppEngine(path, self.cfg, KV_TYPES[type(kv_cfg).__name__], model.config.vocab_size)
         eng.ready_s = time.perf_counter() - t
         eng.metrics = {"compile/gguf_export_s": export_s, "compile/gguf_cached": float(cached),
-                       "size/gguf_mb": path.stat().st_size / 2**20}
+                       "size/gguf_mb": path.stat().st_size / 2**20,
+                       "size/runtime_weight_bytes": gguf_export.tensor_bytes(path)}
         return eng
 
     def _export(self, model: torch.nn.Module, tokenizer, source: Path | None) -> tuple[Path, bool]:
