@@ -22,7 +22,7 @@ from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, Fp
 
 from quantlab.schemes.base import KVScheme
 from quantlab.hardware import Hardware
-from quantlab.schemes.registry import Applied, ApplyContext, Support, register_kv
+from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_kv
 
 
 @dataclass
@@ -176,5 +176,16 @@ def apply(model: torch.nn.Module, cfg: KVScheme, ctx: ApplyContext) -> Applied:
     return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg), config=cfg)
 
 
+_GGUF_CACHE = {NoKV: "F16", Int8KV: "Q8_0", Int4KV: "Q4_0"}
+
+
+def gguf(cfg: KVScheme) -> Mapping:
+    """llama.cpp's K/V cache type: q8_0 / q4_0 blocks of 32 along the head
+    dimension, one fp16 scale each (dynamic, not quantlab's per-head scales)."""
+    if type(cfg) not in _GGUF_CACHE:
+        return Mapping(reason=f"llama.cpp has no cache type for {cfg.short_name()} (q8_0 and q4_0 only)")
+    return Mapping({"type": _GGUF_CACHE[type(cfg)]})
+
+
 for _name, _cls in (("none", NoKV), ("int8", Int8KV), ("int4", Int4KV), ("fp8", FP8KV)):
-    register_kv(_name, _cls, support, apply)
+    register_kv(_name, _cls, support, apply, gguf=gguf)

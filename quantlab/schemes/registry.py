@@ -100,8 +100,9 @@ def register_weights(schema: str, config_type: type, support, apply, **formats) 
     _WEIGHTS[config_type] = Handler(schema, config_type, support, apply, formats)
 
 
-def register_kv(schema: str, config_type: type, support, apply) -> None:
-    _KV[config_type] = Handler(schema, config_type, support, apply)
+def register_kv(schema: str, config_type: type, support, apply, **formats) -> None:
+    """``formats``: keyword per format name (``gguf=``: llama.cpp's cache type)."""
+    _KV[config_type] = Handler(schema, config_type, support, apply, formats)
 
 
 def _load() -> None:

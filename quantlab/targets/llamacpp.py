@@ -33,14 +33,12 @@ from quantlab.digest import sha256_file
 from quantlab.engines.base import CAPABILITIES, Engine
 from quantlab.errors import UserError
 from quantlab.hardware import Hardware
-from quantlab.schemes.registry import Applied, Support, weights_handler
+from quantlab.schemes.registry import Applied, Support, kv_handler, weights_handler
 from quantlab.targets import register
 from quantlab.targets.base import Target, worst
 
 log = logging.getLogger("quantlab")
 INSTALL = "pip install 'quantlab[llamacpp]' (builds llama-cpp-python from source, a few minutes)"
-# quantlab KV scheme type name -> llama.cpp cache type (GGML type name)
-KV_TYPES = {"NoKV": "F16", "Int8KV": "Q8_0", "Int4KV": "Q4_0"}
 
 
 @dataclass
@@ -158,10 +156,9 @@ class LlamaCppTarget(Target):
             return Support("unsupported", self.missing_reason())
         m = weights_handler(weights).mapping("gguf", weights)
         w = Support("real", f"llama.cpp {m.spec['type']} kernels") if m.ok else Support("unsupported", m.reason)
-        kv_type = KV_TYPES.get(type(kv).__name__)
-        k = (Support("real", f"llama.cpp {kv_type.lower()} K/V cache") if kv_type and kv_type != "F16"
-             else Support("real") if kv_type else
-             Support("unsupported", f"llama.cpp has no cache type for {kv.short_name()} (q8_0 and q4_0 only)"))
+        c = kv_handler(kv).mapping("gguf", kv)
+        k = (Support("unsupported", c.reason) if not c.ok else Support("real") if c.spec["type"] == "F16"
+             else Support("real", f"llama.cpp {c.spec['type'].lower()} K/V cache"))
         return worst([w, k])
 
     def engine(self, model: torch.nn.Module, kv: Applied, tokenizer) -> LlamaCppEngine:
@@ -171,7 +168,8 @@ class LlamaCppTarget(Target):
         t = time.perf_counter()
         path, cached = self._export(model, tokenizer, getattr(model, "quantlab_gguf", None))
         export_s = time.perf_counter() - t
-        eng = LlamaCppEngine(path, self.cfg, KV_TYPES[type(kv_cfg).__name__], model.config.vocab_size)
+        cache_type = kv_handler(kv_cfg).mapping("gguf", kv_cfg).spec["type"]
+        eng = LlamaCppEngine(path, self.cfg, cache_type, model.config.vocab_size)
         eng.ready_s = time.perf_counter() - t
         eng.metrics = {"compile/gguf_export_s": export_s, "compile/gguf_cached": float(cached),
                        "size/gguf_mb": path.stat().st_size / 2**20,
