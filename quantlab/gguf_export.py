@@ -139,25 +139,26 @@ def tensors(model: torch.nn.Module) -> list[tuple[str, str, np.ndarray, tuple[in
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     ftype = _float_type(model)
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-    out, seen = [], set()
+    def gguf_name(module: str) -> str:
+        found = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
+        if found is None:
+            raise UserError(f"GGUF: {module}.weight has no llama.cpp tensor name")
+        return found
+
+    out = []
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if name == "lm_head" and cfg.tie_word_embeddings and not isinstance(mod, (Int4Linear, Int8Linear)):
             continue  # tied: llama.cpp reads token_embd as the output matrix
         if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding, Int4Linear, Int8Linear)):
-            gname = names.get_name(f"{name}.weight", try_suffixes=(".weight",))
+            gname = gguf_name(name)
             rows = _rotary_rows(mod.out_features, heads[leaf]) if leaf in heads else None
             gtype, data = _matrix(mod, ftype, rows)
             shape = tuple(mod.weight.shape) if hasattr(mod, "weight") else (mod.out_features, mod.in_features)
             out.append((gname, gtype, data, shape))
-            seen.add(name)
         elif leaf.endswith("norm") and hasattr(mod, "weight"):
-            gname = names.get_name(f"{name}.weight", try_suffixes=(".weight",))
             w = mod.weight.detach().float().numpy()
-            out.append((gname, "F32", w, tuple(w.shape)))
-    if any(g is None for g, *_ in out):
-        raise UserError("GGUF: a tensor has no llama.cpp name: " + ", ".join(
-            n for n, (g, *_) in zip(seen, out) if g is None))
+            out.append((gguf_name(name), "F32", w, tuple(w.shape)))
     return out
 
 

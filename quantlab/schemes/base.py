@@ -9,9 +9,7 @@ from typing import Any
 
 
 @dataclass
-class WeightScheme:
-    """Base of all weight-scheme configs. Subclasses add their knobs as fields."""
-
+class _Scheme:
     def short_name(self) -> str:
         raise NotImplementedError
 
@@ -20,11 +18,10 @@ class WeightScheme:
 
 
 @dataclass
-class KVScheme:
+class WeightScheme(_Scheme):
+    """Base of all weight-scheme configs. Subclasses add their knobs as fields."""
+
+
+@dataclass
+class KVScheme(_Scheme):
     """Base of all KV-cache scheme configs."""
-
-    def short_name(self) -> str:
-        raise NotImplementedError
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": type(self).__name__, **dataclasses.asdict(self)}
