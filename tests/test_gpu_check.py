@@ -39,6 +39,16 @@ def test_dry_run_on_cpu_writes_report_and_store(tmp_path):
                                          "fp8_vs_int4.log", "kv.log"}  # what the device tool brings back
 
 
+def test_a_subset_reruns_one_sweep_alone(tmp_path):
+    """A rerun within the lease (GPU_CHECK_SWEEPS) runs and reports only what it names."""
+    proc = _run({"OUT": str(tmp_path), "GPU_CHECK_TARGET": "cpu", "GPU_CHECK_LAYERS": "2", "GPU_CHECK_WHEELS": "0",
+                 "GPU_CHECK_SWEEPS": "kv"})
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    report = (tmp_path / "gpu_report.md").read_text()
+    assert "## kv" in report and "## launch_overhead" not in report and "## fp8_vs_int4" not in report
+    assert sorted(p.name for p in tmp_path.glob("*.log")) == ["kv.log"]
+
+
 def test_prerequisites_fail_in_one_line(tmp_path):
     no_out = _run({})
     assert no_out.returncode != 0 and "OUT is not set" in no_out.stderr

@@ -324,3 +324,33 @@ def test_neuron_lm_eval_and_perplexity_read_worker_logits(tmp_path, fake_neuron_
     assert neuron.outcome == host.outcome == "finished", (neuron.reason, host.reason)
     assert m_n["acc/arc_easy_local"] == m_h["acc/arc_easy_local"]
     assert m_n["ppl_token_wikitext2_w64"] == pytest.approx(m_h["ppl_token_wikitext2_w64"], rel=2e-2)
+
+
+def test_static_cache_is_allocated_once_outside_the_graph_and_reset_per_request():
+    """CUDA graphs replay over static addresses: the engine's StaticCache must be
+    allocated eagerly (transformers marks its tensors static only outside a
+    compiled graph; the H200 check saw inductor skip graphs for 'mutated inputs'
+    when the compiled prefill allocated it), kept per batch size, and reset so a
+    second request decodes what the first did and what a dynamic cache decodes."""
+    from quantlab import models
+    from quantlab.config import CPUTargetConfig, ModelConfig
+    from quantlab.engines.pytorch import TorchEngine
+    from transformers import DynamicCache
+
+    from quantlab.schemes.registry import Applied
+
+    model, _ = models.load(ModelConfig(name="tiny", source="tiny"), "/tmp")
+    eng = targets.get(CPUTargetConfig(static_cache=64)).engine(model, Applied("none", False, DynamicCache))
+    ref = TorchEngine(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    def tokens(engine):
+        return torch.cat([t.reshape(2, -1).cpu() for t in engine.decode(ids, 6).chosen], dim=1)
+
+    first = tokens(eng)
+    cache = eng.request_cache(2)
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in tensors)
+    ptrs = [t.data_ptr() for t in tensors]
+    assert torch.equal(tokens(eng), first) and torch.equal(first, tokens(ref))
+    assert [t.data_ptr() for t in tensors] == ptrs and eng.request_cache(2) is cache
+    assert eng.request_cache(1) is not cache  # one cache per batch size

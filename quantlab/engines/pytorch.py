@@ -16,18 +16,22 @@ class TorchEngine(Engine):
     makes the KV cache each request decodes into (a quantized one for a KV
     scheme, a ``StaticCache`` for fixed shapes). ``compiled`` says the forward
     is a torch.compile graph: per-module hooks would split it, so the stage
-    table is refused."""
+    table is refused. ``static``: the factory makes a ``StaticCache``, which is
+    allocated once per batch size, outside any compiled graph, and reset per
+    request (see :meth:`request_cache`)."""
 
     name = "pytorch"
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu",
-                 cache_factory: Callable[..., Any] = DynamicCache, compiled: bool = False):
+                 cache_factory: Callable[..., Any] = DynamicCache, compiled: bool = False, static: bool = False):
         cfg = model.config.get_text_config(decoder=True)
         super().__init__(cfg.vocab_size, getattr(cfg, "max_position_embeddings", 2048))
         self.model = model
         self._device = torch.device(device)
         self.cache_factory = cache_factory
         self.compiled = compiled
+        self.static = static
+        self._static_caches: dict[int, Any] = {}
 
     @property
     def device(self) -> torch.device:
@@ -44,13 +48,36 @@ class TorchEngine(Engine):
         return ""
 
     @torch.inference_mode()
+    def request_cache(self, batch: int) -> Any:
+        """The cache one request of ``batch`` sequences decodes into: a new one,
+        or for a static cache the batch size's one, reset. A static cache is
+        allocated here, eagerly: transformers marks its tensors as static
+        addresses only outside a compiled graph, and CUDA graphs replay over
+        static addresses (a cache first allocated inside the compiled prefill
+        is a mutated input, and inductor skips graphs for it); one allocation
+        per batch size also keeps those addresses fixed across requests."""
+        if not self.static:
+            return self.cache_factory(config=self.model.config)
+        cache = self._static_caches.get(batch)
+        if cache is not None:
+            cache.reset()
+            return cache
+        cfg = self.model.config.get_text_config(decoder=True)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cache = self.cache_factory(config=self.model.config)
+        cache.early_initialization(batch_size=batch, num_heads=cfg.num_key_value_heads, head_dim=head_dim,
+                                   dtype=self.model.get_input_embeddings().weight.dtype, device=self._device)
+        self._static_caches[batch] = cache
+        return cache
+
+    @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids.to(self._device), use_cache=False).logits.float()
 
     @torch.inference_mode()
     def decode(self, prompt: torch.Tensor, n_new: int, clock: Clock | None = None,
                choose=greedy, record=None) -> Decoded:
-        cache = self.cache_factory(config=self.model.config)
+        cache = self.request_cache(prompt.shape[0])
 
         def forward(ids: torch.Tensor, start: int) -> torch.Tensor:
             # The prefill keeps the last position only; steps keep every input position.

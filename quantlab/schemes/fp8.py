@@ -45,7 +45,9 @@ def support(cfg: FP8Scheme, hw: Hardware) -> Support:
     if cfg.activations == "dynamic" and _fp8_tensor_cores(hw):
         if cfg.format != "e4m3":
             return Support("unsupported", "W8A8 uses e4m3 (torchao Float8DynamicActivationFloat8WeightConfig)")
-        return Support("real")
+        # Measured on an H200, eager: 97.6 ms/token vs bf16's 18.4 on a 30-layer
+        # 135M model (torchao's tensor-subclass dispatch per linear, in Python).
+        return Support("real", "torchao _scaled_mm; eager pays a Python dispatch per linear: compile for its speed")
     if hw.device in ("cpu", "cuda"):
         why = "no FP8 GEMM on this device" if not _fp8_tensor_cores(hw) else "weight-only FP8 has no fused kernel"
         return Support("emulated", f"{why}: FP8 storage, dequantized to {cfg.compute_dtype} per matmul")

@@ -132,7 +132,8 @@ class LocalTarget(Target):
         if self.cfg.compile:
             model.forward = torch.compile(model.forward, mode=self.cfg.compile_mode,
                                           dynamic=None if self.cfg.static_cache else True)
-        eng = TorchEngine(model, self.device, self.decode_cache(kv.cache_factory), compiled=self.cfg.compile)
+        eng = TorchEngine(model, self.device, self.decode_cache(kv.cache_factory), compiled=self.cfg.compile,
+                          static=bool(self.cfg.static_cache))
         ids = torch.randint(0, eng.vocab_size, (1, 16))
         t = time.perf_counter()
         eng.decode(ids, 4)
