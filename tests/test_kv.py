@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from quantlab import models
@@ -45,15 +47,54 @@ def test_int8_dynamic_scales_per_head_and_token():
 def test_int4_kivi_round_trip_and_packing():
     layer = Int4Layer(group_size=8, residual_length=4)
     k, v = _kv(t=32), _kv(t=32, seed=1)
-    layer.update(k, v)
-    packed, scale, lo, axis, g = layer._quantized_keys
-    assert packed.dtype == torch.uint8 and packed.shape[-1] * 2 == 32  # keys: tokens grouped per channel
-    assert axis == -2 and g == 8
-    kd = layer._dequantize(layer._quantized_keys)
-    vd = layer._dequantize(layer._quantized_values)
-    assert kd.shape == k.shape and vd.shape == v.shape
+    out_k, out_v = layer.update(k, v)
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)  # attention over the prefill is full precision
+    (pk, sk, _), (pv, sv, _) = layer._quantized_keys, layer._quantized_values
+    assert pk.dtype == pv.dtype == torch.uint8
+    assert pk.shape == (2, 3, 16, 24 // 2) and sk.shape == (2, 3, 16, 3, 1)  # keys: per channel, 3 groups of 8 tokens
+    assert pv.shape == (2, 3, 24, 16 // 2) and sv.shape == (2, 3, 24, 2, 1)  # values: per token, 2 groups of 8 channels
+    assert layer.keys.shape[-2] == 8  # 32 - 24: within [residual, residual + group)
+    kd, vd = layer._dequantize(layer._quantized_keys, -2), layer._dequantize(layer._quantized_values)
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    assert rel(kd, k) < 0.15 and rel(vd, v) < 0.15
+    assert rel(kd, k[:, :, :24]) < 0.15 and rel(vd, v[:, :, :24]) < 0.15
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunks=st.lists(st.integers(1, 40), min_size=1, max_size=8), g=st.sampled_from([2, 4, 8, 16]),
+       residual=st.integers(0, 20))
+def test_int4_kivi_windows_hold_for_any_token_counts(chunks, g, residual):
+    """Any token count (odd ones too): stored tokens are whole groups of g, the
+    full-precision window is the newest residual .. residual + g - 1 tokens,
+    attention sees every token once in order, the full-precision ones exactly,
+    and a stored group is never quantized again."""
+    layer = Int4Layer(group_size=g, residual_length=residual)
+    seen_k, first_group = [], None
+    for i, t in enumerate(chunks):
+        k, v = _kv(b=1, h=2, t=t, seed=2 * i), _kv(b=1, h=2, t=t, seed=2 * i + 1)
+        seen_k.append(k)
+        out_k, out_v = layer.update(k, v)
+        total = sum(chunks[:i + 1])
+        assert out_k.shape[-2] == out_v.shape[-2] == total == layer.get_seq_length()
+        stored, fp = layer.quantized_tokens(), layer.keys.shape[-2]
+        assert stored % g == 0 and stored + fp == total
+        assert fp == total if total <= residual else residual <= fp < residual + g
+        allk = torch.cat(seen_k, dim=-2)
+        before = out_k.shape[-2] - k.shape[-2]  # what was stored before this update came dequantized
+        assert torch.equal(out_k[..., before:, :], k)  # the new tokens are attended in full precision
+        if layer._quantized_keys is not None:
+            packed = layer._quantized_keys[0][..., : g // 2]
+            if first_group is None:
+                first_group = packed.clone()
+            assert torch.equal(packed, first_group)  # the oldest group keeps its bytes
+            assert torch.allclose(layer._dequantize(layer._quantized_keys, -2), allk[..., :stored, :],
+                                  atol=4 * 4.0 / 15 * 2)  # within a step of the widest group's range
+
+
+def test_int4_kv_rejects_what_it_cannot_group():
+    with pytest.raises(ValueError, match="group_size must be even"):
+        Int4KV(group_size=3)
+    with pytest.raises(ValueError, match="head_dim 16 is not a multiple of group_size 32"):
+        Int4Layer(group_size=32, residual_length=4).update(_kv(t=3), _kv(t=3))
 
 
 def _probe(model, wins, cfg, kv):
@@ -85,7 +126,7 @@ def test_int4_is_worse_than_int8(tiny):
     wins = corpus.token_ids(tok, "builtin", 300).reshape(1, 300)
     cfg = CacheProbeConfig(enabled=True, prefix_tokens=200, continuation_tokens=100, chunk=4)
     kl8 = _probe(model, wins, cfg, Int8KV())["kvfid/kl_mean"]
-    kl4 = _probe(model, wins, cfg, Int4KV(group_size=32, residual_length=16))["kvfid/kl_mean"]
+    kl4 = _probe(model, wins, cfg, Int4KV(group_size=16, residual_length=16))["kvfid/kl_mean"]
     assert kl8 < kl4
 
 

@@ -237,3 +237,19 @@ def test_symmetric_int4_uses_all_16_levels_like_q4_0(n, groups, seed):
         -1, g.abs().argmax(-1, keepdim=True)).squeeze(-1), extreme)
     assert (q.reshape(n, groups, 32).amin(-1) == 0).all() and torch.all(zero == 0)
     assert (scale.abs() < g.abs().amax(-1) / 7).all()
+
+
+@pytest.mark.parametrize("cfg", [FloatScheme("bfloat16"), FloatScheme("float16"), Int8Scheme(),
+                                 Int4Scheme(group_size=32)], ids=["bf16", "fp16", "int8", "int4"])
+def test_every_scheme_keeps_rope_in_fp32(tiny, cfg):
+    """Baselines on the same footing: a float cast rounds the weights like any
+    scheme does, but not RoPE's inv_freq (rounding it in bf16 moves 0.3162 to
+    0.3164 and shifts every position's angle for the baseline alone)."""
+    model, _ = tiny
+    before = {n: b.clone() for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    assert before
+    _apply(model, cfg)
+    after = dict(model.named_buffers())
+    for n, b in before.items():
+        assert after[n].dtype == torch.float32 and torch.equal(after[n], b), n
+    assert model.model.embed_tokens.weight.dtype == getattr(torch, getattr(cfg, "dtype", "bfloat16"))

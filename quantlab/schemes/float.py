@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from quantlab.hardware import Hardware
+from quantlab.schemes import layers
 from quantlab.schemes.base import WeightScheme
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
@@ -42,7 +43,10 @@ def support(cfg: FloatScheme, hw: Hardware) -> Support:
 
 
 def apply(model: torch.nn.Module, cfg: FloatScheme, ctx: ApplyContext) -> Applied:
-    model.to(cfg.torch_dtype)
+    """Cast the parameters only, as every quantized scheme does: buffers such as
+    RoPE's ``inv_freq`` stay fp32, so a float baseline carries no rounding of
+    the positions that the points it is compared with do not."""
+    layers.cast_parameters(model, cfg.torch_dtype)
     return Applied(backend="torch", emulated=False)
 
 

@@ -4,9 +4,10 @@
 * ``int8``: int8 storage with symmetric scales per attention head (keys and
   values apart), computed from the prefill and frozen for decode (``static``),
   or per head and token (``dynamic``). New tokens are appended as int8.
-* ``int4``: KIVI-style, on transformers' ``QuantizedLayer`` (its residual
-  window): keys per channel, values per token, in groups, packed two per byte;
-  the newest ``residual_length`` tokens stay in full precision.
+* ``int4``: KIVI: keys per channel, values per token, in groups, packed two
+  per byte; tokens are quantized a whole group at a time, once, and the newest
+  ``residual_length`` (up to ``residual_length + group_size - 1``) stay in full
+  precision (see :class:`Int4Layer`).
 * ``fp8``: transformers' own ``Fp8QuantizedLayer`` (E4M3, per-tensor scale).
 
 Every quantized layer dequantizes on read, so attention itself runs in the
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, Fp8QuantizedLayer, QuantizedLayer
+from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, Fp8QuantizedLayer
 
 from quantlab.schemes.base import KVScheme
 from quantlab.hardware import Hardware
@@ -49,6 +50,12 @@ class Int8KV(KVScheme):
 class Int4KV(KVScheme):
     group_size: int = 32
     residual_length: int = 128
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2 or self.group_size % 2:
+            raise ValueError(f"int4 kv group_size must be even and >= 2, got {self.group_size}")
+        if self.residual_length < 0:
+            raise ValueError(f"int4 kv residual_length must be >= 0, got {self.residual_length}")
 
     def short_name(self) -> str:
         return f"kv4-g{self.group_size}"
@@ -104,30 +111,86 @@ def _unpack4(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2)
 
 
-class Int4Layer(QuantizedLayer):
-    """KIVI: keys quantized per channel (statistics over groups of tokens),
-    values per token (over groups of channels); asymmetric, packed uint8."""
+def _quantize4(x: torch.Tensor, g: int):
+    """Asymmetric 4-bit along the last dim in groups of ``g``: (packed uint8
+    ``[..., n/2]``, scale and minimum ``[..., n/g, 1]`` in bf16)."""
+    *lead, n = x.shape
+    grouped = x.float().reshape(*lead, n // g, g)
+    lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    q = torch.round((grouped - lo) / scale).clamp(0, 15).to(torch.uint8).reshape(*lead, n)
+    return _pack4(q), scale.to(torch.bfloat16), lo.to(torch.bfloat16)
+
+
+def _dequantize4(packed: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    q = _unpack4(packed).float()
+    *lead, n = q.shape
+    g = n // scale.shape[-2]
+    return (q.reshape(*lead, n // g, g) * scale.float() + lo.float()).reshape(*lead, n)
+
+
+class Int4Layer(BaseQuantizedLayer):
+    """KIVI (Liu et al., 2024): keys quantized per channel over groups of
+    ``group_size`` tokens, values per token over groups of ``group_size``
+    channels; asymmetric 4-bit, packed two per byte.
+
+    Tokens reach the quantized store a whole group at a time, oldest first, and
+    once: what is stored is never dequantized and quantized again. Until the
+    sequence is longer than ``residual_length`` every token is full precision;
+    after that the newest ``residual_length`` to ``residual_length + group_size
+    - 1`` tokens are. Attention sees the stored tokens dequantized, then the
+    full-precision ones. ``_quantized_keys``: (packed ``[B, H, D, Tq/2]``,
+    scale, min ``[B, H, D, Tq/g, 1]``); ``_quantized_values``: (packed
+    ``[B, H, Tq, D/2]``, scale, min ``[B, H, Tq, D/g, 1]``)."""
 
     def __init__(self, group_size: int, residual_length: int):
-        super().__init__(nbits=4, axis_key=-2, axis_value=-1, q_group_size=group_size,
-                         residual_length=residual_length)
+        super().__init__()
+        Int4KV(group_size, residual_length)  # the same checks as the config
+        self.group_size, self.residual_length = group_size, residual_length
 
-    def _quantize(self, x: torch.Tensor, axis: int):
-        x = x.float().transpose(-1, -2) if axis == -2 else x.float()  # group along the last dim
-        *lead, n = x.shape
-        g = self.q_group_size if n % self.q_group_size == 0 else n
-        grouped = x.reshape(*lead, n // g, g)
-        lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
-        scale = ((hi - lo) / 15).clamp_min(1e-8)
-        q = torch.round((grouped - lo) / scale).clamp(0, 15).to(torch.uint8).reshape(*lead, n)
-        return _pack4(q), scale.to(torch.bfloat16), lo.to(torch.bfloat16), axis, g
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        d = key_states.shape[-1]
+        if d % self.group_size:
+            raise ValueError(f"int4 kv: head_dim {d} is not a multiple of group_size {self.group_size} "
+                             f"(values are grouped along the head dimension)")
+        super().lazy_initialization(key_states, value_states)
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
 
-    def _dequantize(self, qt):
-        packed, scale, lo, axis, g = qt
-        q = _unpack4(packed).float()
-        *lead, n = q.shape
-        x = (q.reshape(*lead, n // g, g) * scale.float() + lo.float()).reshape(*lead, n)
+    def _quantize(self, x: torch.Tensor, axis: int = -1):
+        """Keys (``axis=-2``): per channel over tokens; values: per token over channels."""
+        return _quantize4(x.transpose(-1, -2) if axis == -2 else x, self.group_size)
+
+    def _dequantize(self, qt, axis: int = -1) -> torch.Tensor:
+        x = _dequantize4(*qt)
         return (x.transpose(-1, -2) if axis == -2 else x).to(self.keys.dtype)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.cumulative_length += key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        if self._quantized_keys is None:
+            out_k, out_v = keys, values
+        else:
+            out_k = torch.cat([self._dequantize(self._quantized_keys, -2), keys], dim=-2)
+            out_v = torch.cat([self._dequantize(self._quantized_values), values], dim=-2)
+        over = keys.shape[-2] - self.residual_length
+        move = over // self.group_size * self.group_size if over > 0 else 0
+        if move:
+            qk, qv = self._quantize(keys[..., :move, :], -2), self._quantize(values[..., :move, :])
+            if self._quantized_keys is not None:
+                (pk, sk, lk), (pv, sv, lv) = self._quantized_keys, self._quantized_values
+                qk = (torch.cat([pk, qk[0]], -1), torch.cat([sk, qk[1]], -2), torch.cat([lk, qk[2]], -2))
+                qv = (torch.cat([pv, qv[0]], -2), torch.cat([sv, qv[1]], -3), torch.cat([lv, qv[2]], -3))
+            self._quantized_keys, self._quantized_values = qk, qv
+            keys, values = keys[..., move:, :].clone(), values[..., move:, :].clone()  # free the moved
+        self.keys, self.values = keys, values
+        return out_k, out_v
+
+    def quantized_tokens(self) -> int:
+        return 0 if self._quantized_values is None else self._quantized_values[0].shape[-2]
 
 
 class KVCache(Cache):
@@ -171,7 +234,7 @@ def support(cfg: KVScheme, hw: Hardware) -> Support:
 
 def apply(model: torch.nn.Module, cfg: KVScheme, ctx: ApplyContext) -> Applied:
     backend = {NoKV: "transformers.DynamicCache", Int8KV: f"quantlab.Int8Layer({getattr(cfg, 'scales', '')})",
-               Int4KV: "quantlab.Int4Layer(transformers.QuantizedLayer)",
+               Int4KV: "quantlab.Int4Layer(KIVI)",
                FP8KV: "transformers.Fp8QuantizedLayer"}[type(cfg)]
     return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg), config=cfg)
 
