@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from quantlab.config import register_configs
+from quantlab.config import RunConfig, register_configs, validate
 from quantlab.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -58,18 +58,66 @@ def _check_sweep_file(path: Path) -> list[str]:
     return []
 
 
+# Mandatory fields a preset leaves open, and what to say when they stay open.
+_REQUIRED = {"model.path": "model=hf and model=gguf need model.path=<hub id, local directory or .gguf file>"}
+
+
+def to_point(cfg: DictConfig) -> RunConfig:
+    """The typed, range-checked config of one point. Raises UserError with one
+    line naming the field (Hydra's and OmegaConf's own errors span several)."""
+    try:
+        run_cfg = OmegaConf.to_object(cfg)
+        validate(run_cfg)
+    except (ValueError, OmegaConfBaseException) as e:
+        text = str(e)
+        for key, hint in _REQUIRED.items():
+            if f"Missing mandatory value: {key}" in text or "${" + key + "}" in text:
+                raise UserError(hint) from None
+        raise UserError(f"invalid config: {_one_line(e)}") from None
+    return run_cfg
+
+
+def _one_line(e: BaseException) -> str:
+    """First line of an error and of its cause, plus the key OmegaConf names."""
+    parts = [str(e).splitlines()[0]]
+    if e.__cause__ is not None and str(e.__cause__):
+        parts.append(str(e.__cause__).splitlines()[0])
+    key = getattr(e, "full_key", None) or getattr(e.__cause__, "full_key", None)
+    if key and key not in " ".join(parts):
+        parts.append(f"(key {key})")
+    return ": ".join(parts)
+
+
+def preflight(argv: list[str]) -> None:
+    """Compose and check the first point of the command line before Hydra
+    starts anything, so a bad value (``seed=abc``, ``probe.latency.new_tokens=-5``)
+    fails in one line with exit 2, not after a sweep's parent run is made."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+        first = [f"{o.get_key_element()}={next(o.sweep_string_iterator())}" if o.is_sweep_override() else o.input_line
+                 for o in parsed if not o.key_or_group.startswith("hydra")]
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=first)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise UserError(f"invalid config: {_one_line(e)}") from None
+    to_point(cfg)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> None:
     from quantlab.pipeline import run_point
 
     try:
-        run_cfg = OmegaConf.to_object(cfg)
-    except (ValueError, OmegaConfBaseException) as e:
-        msg = f"quantlab: invalid config: {str(e).splitlines()[0]}"
+        run_cfg = to_point(cfg)
+    except UserError as e:
         if _in_multirun():  # the other points of the sweep still run
-            log.error(msg)
+            log.error(f"quantlab: {e}")
             return
-        print(msg, file=sys.stderr)
+        print(f"quantlab: {e}", file=sys.stderr)
         sys.exit(2)
     try:
         result = run_point(run_cfg)
@@ -92,6 +140,7 @@ def main() -> None:
     try:
         for w in check_overrides(sys.argv[1:]):
             print(f"quantlab: warning: {w}", file=sys.stderr)
+        preflight(sys.argv[1:])
         _main()
     except UserError as e:
         print(f"quantlab: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ The pipeline then dispatches on the dataclass *type* (see ``schemes/registry``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -22,13 +23,13 @@ from omegaconf import MISSING
 class TinyModelConfig:
     """Shape of the random Llama that ``source=tiny`` builds in memory."""
 
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 1024
-    seed: int = 0
+    hidden_size: int = field(default=64, metadata={"min": 1})
+    intermediate_size: int = field(default=128, metadata={"min": 1})
+    num_hidden_layers: int = field(default=2, metadata={"min": 1})
+    num_attention_heads: int = field(default=4, metadata={"min": 1})
+    num_key_value_heads: int = field(default=2, metadata={"min": 1})
+    max_position_embeddings: int = field(default=1024, metadata={"min": 1})
+    seed: int = field(default=0, metadata={"min": 0})
 
 
 @dataclass
@@ -69,7 +70,7 @@ class CPUTargetConfig(TargetConfig):
     that many tokens (fixed shapes: no recompiles, and what CUDA graphs need)."""
 
     name: str = "cpu"
-    threads: Optional[int] = None  # None: leave torch's default (all cores)
+    threads: Optional[int] = field(default=None, metadata={"min": 1})  # None: leave torch's default (all cores)
     compile: bool = False
     compile_mode: str = "default"
     static_cache: int = 0
@@ -93,12 +94,12 @@ class NeuronTargetConfig(TargetConfig):
 
     name: str = "neuron"
     python: str = "python3"  # the Neuron virtualenv's interpreter
-    batch_size: int = 1
-    sequence_length: int = 2048
-    num_cores: int = 2  # tensor-parallel degree
+    batch_size: int = field(default=1, metadata={"min": 1})
+    sequence_length: int = field(default=2048, metadata={"min": 1})
+    num_cores: int = field(default=2, metadata={"min": 1})  # tensor-parallel degree
     compile_cache: str = "~/.cache/quantlab/neuron"
     compile: bool = True
-    timeout_s: float = 3600.0
+    timeout_s: float = field(default=3600.0, metadata={"above": 0})
 
 
 @dataclass
@@ -109,18 +110,18 @@ class LatencyProbeConfig:
     ``prompt_tokens``); ``grid_batch_sizes`` x ``grid_prompt_tokens`` adds cells."""
 
     enabled: bool = True
-    batch_size: int = 1
-    prompt_tokens: int = 64
-    new_tokens: int = 32
-    warmup: int = 1
-    repeats: int = 3
-    min_seconds: float = 0.0
-    max_repeats: int = 100
-    grid_batch_sizes: list[int] = field(default_factory=list)
-    grid_prompt_tokens: list[int] = field(default_factory=list)
+    batch_size: int = field(default=1, metadata={"min": 1})
+    prompt_tokens: int = field(default=64, metadata={"min": 1})
+    new_tokens: int = field(default=32, metadata={"min": 1})
+    warmup: int = field(default=1, metadata={"min": 0})
+    repeats: int = field(default=3, metadata={"min": 1})
+    min_seconds: float = field(default=0.0, metadata={"min": 0})
+    max_repeats: int = field(default=100, metadata={"min": 1})
+    grid_batch_sizes: list[int] = field(default_factory=list, metadata={"min": 1})
+    grid_prompt_tokens: list[int] = field(default_factory=list, metadata={"min": 1})
     stages: bool = True  # per-stage breakdown (separate requests, hooks on)
-    stage_requests: int = 2
-    rss_sample_hz: float = 200.0
+    stage_requests: int = field(default=2, metadata={"min": 1})
+    rss_sample_hz: float = field(default=200.0, metadata={"above": 0})
     load_warn: float = 0.5  # warn when the 1-min load exceeds cores + this (a competing process)
 
 
@@ -130,7 +131,7 @@ class FidelityProbeConfig:
 
     enabled: bool = True
     corpus: str = "builtin"
-    tokens: int = 256
+    tokens: int = field(default=256, metadata={"min": 2})
     reference_dtype: str = "float32"
 
 
@@ -141,9 +142,9 @@ class AccuracyProbeConfig:
 
     enabled: bool = False
     tasks: list[str] = field(default_factory=lambda: ["arc_easy_local"])
-    limit: Optional[int] = 100
-    batch_size: int = 8
-    max_length: Optional[int] = 2048
+    limit: Optional[int] = field(default=100, metadata={"min": 1})
+    batch_size: int = field(default=8, metadata={"min": 1})
+    max_length: Optional[int] = field(default=2048, metadata={"min": 1})
 
 
 @dataclass
@@ -151,8 +152,8 @@ class PerplexityProbeConfig:
     """Token-level WikiText-2 perplexity over ``window``-token windows."""
 
     enabled: bool = False
-    window: int = 2048
-    max_windows: Optional[int] = None  # None: the whole test split
+    window: int = field(default=2048, metadata={"min": 2})
+    max_windows: Optional[int] = field(default=None, metadata={"min": 1})  # None: the whole test split
 
 
 @dataclass
@@ -162,10 +163,10 @@ class CacheProbeConfig:
 
     enabled: bool = False
     corpus: str = "wikitext2"
-    prefix_tokens: int = 512
-    continuation_tokens: int = 512
-    windows: int = 1
-    chunk: int = 1
+    prefix_tokens: int = field(default=512, metadata={"min": 1})
+    continuation_tokens: int = field(default=512, metadata={"min": 1})
+    windows: int = field(default=1, metadata={"min": 1})
+    chunk: int = field(default=1, metadata={"min": 1})
 
 
 @dataclass
@@ -196,7 +197,7 @@ class RunConfig:
     target: Any = MISSING
     probe: ProbeConfig = MISSING
     tracking: TrackingConfig = MISSING
-    seed: int = 0
+    seed: int = field(default=0, metadata={"min": 0})
     cache_dir: str = "~/.cache/quantlab"
     data_dir: Optional[str] = None
     sweep_name: str = "adhoc"
@@ -221,3 +222,27 @@ def register_configs() -> None:
     cs.store(group="model", name="_model", node=ModelConfig)
     cs.store(group="probe", name="_probe", node=ProbeConfig)
     cs.store(group="tracking", name="_tracking", node=TrackingConfig)
+
+
+def validate(cfg: Any, path: str = "") -> None:
+    """Check every field's range (``metadata`` ``min`` / ``above``; for a list,
+    each element) and the fields a choice requires, on the typed config
+    ``OmegaConf.to_object`` made. Raises ``ValueError`` with one line naming
+    the field, its value and the valid range."""
+    if isinstance(cfg, ModelConfig) and cfg.source in ("hf", "gguf") and not cfg.path:
+        raise ValueError(f"model.source={cfg.source} needs model.path=<hub id or local path>"
+                         + (" of a .gguf file" if cfg.source == "gguf" else ""))
+    if isinstance(cfg, LatencyProbeConfig) and cfg.max_repeats < cfg.repeats:
+        raise ValueError(f"{path}max_repeats={cfg.max_repeats}: must be >= {path}repeats ({cfg.repeats})")
+    for f in dataclasses.fields(cfg):
+        value, name = getattr(cfg, f.name), f"{path}{f.name}"
+        if dataclasses.is_dataclass(value):
+            validate(value, f"{name}.")
+            continue
+        for v in (value if isinstance(value, list) else [value]):
+            if v is None or not isinstance(v, (int, float)):
+                continue
+            if "min" in f.metadata and v < f.metadata["min"]:
+                raise ValueError(f"{name}={value}: must be >= {f.metadata['min']}")
+            if "above" in f.metadata and v <= f.metadata["above"]:
+                raise ValueError(f"{name}={value}: must be > {f.metadata['above']}")

@@ -50,3 +50,32 @@ def test_float_presets(preset, dtype):
 def test_bad_float_dtype_is_rejected():
     with pytest.raises(ValueError, match="valid: float32, float16, bfloat16"):
         FloatScheme(dtype="float8")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["probe.latency.new_tokens=-5"], "probe.latency.new_tokens=-5: must be >= 1"),
+    (["probe.latency.batch_size=0"], "probe.latency.batch_size=0: must be >= 1"),
+    (["probe.latency.grid_batch_sizes=[1,0]"], "probe.latency.grid_batch_sizes=[1, 0]: must be >= 1"),
+    (["probe.latency.repeats=5", "probe.latency.max_repeats=2"], "max_repeats=2: must be >= probe.latency.repeats"),
+    (["probe.latency.rss_sample_hz=0"], "rss_sample_hz=0.0: must be > 0"),
+    (["seed=abc"], "could not be converted to Integer"),
+    (["model=hf"], "model=hf and model=gguf need model.path="),
+    (["-m", "model=tiny", "scheme/weights=fp32,bf16", "probe.perplexity.window=1"],
+     "probe.perplexity.window=1: must be >= 2"),
+])
+def test_bad_values_fail_in_one_line_before_anything_runs(tmp_path, args, message):
+    """Compose-time validation: one line naming the field, exit 2, no run made."""
+    from tests.conftest import run_cli
+
+    proc = run_cli([*args, f"tracking.uri=sqlite:///{tmp_path}/m.db"], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("quantlab:")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "m.db").exists()
+
+
+def test_every_preset_passes_validation():
+    from quantlab.config import validate
+
+    for group, preset in CASES:
+        validate(compose_cfg([f"{group}={preset}", *EXTRA.get(group, {}).get(preset, [])]))
