@@ -34,16 +34,24 @@ def _spec(name: str) -> dict:
     return yaml.safe_load(path.read_text())
 
 
+def missing(name: str, data_dir: str | None) -> str:
+    """Why calibration set ``name`` cannot be read here ("" when it can)."""
+    spec = _spec(name)
+    if spec["format"] == "builtin":
+        return ""
+    if not data_dir:
+        return f"calibration set {name!r} needs data_dir (or QUANTLAB_DATA_DIR) holding {spec['file']}"
+    path = Path(data_dir).expanduser() / spec["file"]
+    return "" if path.is_file() else f"calibration set {name!r}: expected {path}"
+
+
 def documents(name: str, data_dir: str | None) -> list[str]:
     spec = _spec(name)
     if spec["format"] == "builtin":
         return [corpus.text("builtin", None)]
-    if not data_dir:
-        raise UserError(f"calibration set {name!r} needs data_dir (or QUANTLAB_DATA_DIR) "
-                        f"holding {spec['file']}")
+    if why := missing(name, data_dir):
+        raise UserError(why)
     path = Path(data_dir).expanduser() / spec["file"]
-    if not path.is_file():
-        raise UserError(f"calibration set {name!r}: expected {path}")
     text = path.read_text(encoding="utf-8")
     if spec["format"] == "wikiextractor":
         return [d.strip() for d in _DOC.findall(text)]

@@ -186,7 +186,8 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
         applied_kv = kv_handler(kv).apply(model, kv, ctx)
         m.tags.update({"emulated": str(applied_w.emulated or applied_kv.emulated).lower(),
                        "support": verdict.status, "support.reason": verdict.reason or "-",
-                       "backend.weights": applied_w.backend, "backend.kv": applied_kv.backend})
+                       "backend.weights": applied_w.backend, "backend.kv": applied_kv.backend,
+                       **applied_w.tags, **applied_kv.tags})
         m.metrics.update(size.weight_stats(model, n_params))
         compute_bytes = model.get_input_embeddings().weight.element_size()
         engine = target.engine(model, applied_kv, tok)

@@ -79,3 +79,13 @@ def test_every_preset_passes_validation():
 
     for group, preset in CASES:
         validate(compose_cfg([f"{group}={preset}", *EXTRA.get(group, {}).get(preset, [])]))
+
+
+def test_a_run_starts_without_third_party_import_noise(tmp_path):
+    from tests.conftest import run_cli
+
+    proc = run_cli(["model=tiny", "probe=smoke", "probe.latency.repeats=1", "probe.cache.enabled=false",
+                    f"tracking.uri=sqlite:///{tmp_path}/m.db", f"tracking.artifact_root={tmp_path}/a"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for noise in ("Failed to load", "Detected no triton", "register_constant"):
+        assert noise not in proc.stderr + proc.stdout

@@ -198,6 +198,23 @@ def test_gptq_on_tiny_model_beats_rtn_in_kl(tiny, tmp_path):
     assert kl_gptq < kl_rtn
 
 
+def test_gptq_without_its_data_calibrates_on_builtin_text_and_says_so(tmp_path, caplog):
+    """A newcomer without the data directory gets a GPTQ point, not a failure;
+    the run's tags and the log say which text it was calibrated on and why."""
+    model, tok = models.tiny_model(ModelConfig(name="tiny", source="tiny")), models.byte_tokenizer()
+    cfg = GPTQScheme(group_size=32, calibration="wiki", n_samples=4, seq_len=64)
+    with caplog.at_level("WARNING", logger="quantlab"):
+        applied = _apply(model, cfg, tok, cache_dir=str(tmp_path), data_dir=str(tmp_path / "nowhere"))
+    assert applied.tags["calibration"] == "builtin"
+    assert "calibration set 'wiki'" in applied.tags["calibration.fallback"]
+    assert "built-in text" in caplog.text
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
+    present = _apply(models.tiny_model(ModelConfig(name="tiny", source="tiny")),
+                     GPTQScheme(group_size=32, calibration="builtin", n_samples=4, seq_len=64), tok,
+                     cache_dir=str(tmp_path))
+    assert present.tags == {"calibration": "builtin"}
+
+
 # --- what each target can run (the sweep asks this before loading anything) ---
 H100 = Hardware(device="cuda", name="H100", cuda_capability=(9, 0))
 A100 = Hardware(device="cuda", name="A100", cuda_capability=(8, 0))

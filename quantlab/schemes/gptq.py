@@ -102,8 +102,12 @@ def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
     dtype = getattr(torch, cfg.compute_dtype)
     selected = dict(layers.select(model, cfg.skip))
     layers.check_group_size(list(selected.items()), cfg.group_size, cfg.short_name())
-    ids = calibration.load(cfg.calibration, ctx.tokenizer, cfg.n_samples, cfg.seq_len,
-                           ctx.seed, ctx.data_dir, ctx.cache_dir)
+    source, tags = cfg.calibration, {"calibration": cfg.calibration}
+    if why := calibration.missing(cfg.calibration, ctx.data_dir):
+        # A newcomer without the data directory still gets a GPTQ point, marked as such.
+        log.warning("gptq: %s; calibrating on the built-in text instead (weaker: a few KB of prose)", why)
+        source, tags = "builtin", {"calibration": "builtin", "calibration.fallback": why}
+    ids = calibration.load(source, ctx.tokenizer, cfg.n_samples, cfg.seq_len, ctx.seed, ctx.data_dir, ctx.cache_dir)
     decoder = _decoder_layers(model)
     states = _first_layer_inputs(model, decoder, ids)
     prefix = {id(m): n for n, m in model.named_modules()}
@@ -124,7 +128,7 @@ def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
         states = [(_run_layer(layer, hidden, kw), kw) for hidden, kw in states]
         log.info("gptq: layer %d/%d quantized (%d linears)", li + 1, len(decoder), len(linears))
     layers.cast_parameters(model, dtype)
-    return Applied(backend="quantlab.gptq+aten._weight_int4pack_mm_for_cpu", emulated=False)
+    return Applied(backend="quantlab.gptq+aten._weight_int4pack_mm_for_cpu", emulated=False, tags=tags)
 
 
 register_weights("gptq", GPTQScheme, support, apply, checkpoint=int4_checkpoint, gguf=int4_gguf)

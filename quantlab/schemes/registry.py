@@ -61,6 +61,7 @@ class Applied:
     emulated: bool
     cache_factory: Callable[..., Any] | None = None  # KV schemes: factory(config=...) -> Cache
     config: Any = None  # the scheme config that was applied
+    tags: dict[str, str] = field(default_factory=dict)  # what the point's run should say about how (e.g. a fallback)
 
 
 @dataclass(frozen=True)
