@@ -30,13 +30,20 @@ def count_params(model: torch.nn.Module) -> int:
 
 
 def weight_stats(model: torch.nn.Module, n_params: int) -> dict[str, float]:
-    """Bytes of parameters and buffers as stored, and bits per logical weight."""
+    """Bytes of parameters and persistent buffers (packed weights, scales, zero
+    points) as stored, and bits per logical weight. Non-persistent buffers are
+    derived tables, not weights (RoPE's ``inv_freq``, kept fp32 under every
+    scheme), so the bytes scale with the scheme alone."""
     total_bytes = 0
     total_numel = n_params
     for p in model.parameters():
         total_bytes += tensor_bytes(p)
-    for b in model.buffers():
-        total_bytes += tensor_bytes(b)
+    seen: set[int] = set()
+    for m in model.modules():
+        for name, b in m.named_buffers(recurse=False):
+            if name not in m._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                total_bytes += tensor_bytes(b)
     return {
         "size/weight_bytes": float(total_bytes),
         "size/weight_mb": total_bytes / 2**20,
