@@ -15,23 +15,20 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import os
 import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from quantlab import hardware, models, targets
+from runtimes import SCHEMES, quantized  # the speed tables' schemes and how they are built
+
+from quantlab import hardware, targets
 from quantlab.config import CPUTargetConfig, ModelConfig
 from quantlab.decode import Clock
-from quantlab.probes import roofline, size
-from quantlab.schemes.float import FloatScheme
-from quantlab.schemes.int4 import Int4Scheme
-from quantlab.schemes.int8 import Int8Scheme
+from quantlab.probes import roofline
 from quantlab.schemes.kv import NoKV, cache_factory
-from quantlab.schemes.registry import Applied, ApplyContext, weights_handler
-
-SCHEMES = {"bf16": FloatScheme("bfloat16"), "fp16": FloatScheme("float16"), "fp32": FloatScheme("float32"),
-           "int8": Int8Scheme(), "int4-g64": Int4Scheme(group_size=64)}
+from quantlab.schemes.registry import Applied
 GEMM = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
         "aten::_weight_int4pack_mm_for_cpu")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
@@ -68,15 +65,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--static", type=int, default=0, help="StaticCache length (0: dynamic cache)")
     ap.add_argument("--cache-dir", default="~/.cache/quantlab")
+    ap.add_argument("--data-dir", default=os.environ.get("QUANTLAB_DATA_DIR"), help="GPTQ's calibration data")
     args = ap.parse_args()
     peak = roofline.measure_read_bandwidth(torch.device("cpu"))
     print(f"CPU: {hardware.cpu_name()}, {torch.get_num_threads()} threads, read bandwidth {peak / 1e9:.1f} GB/s")
     rows = {}
     for variant in args.variants.split(","):
-        model, tok = models.load(ModelConfig(name=args.model, source=args.model), args.cache_dir)
-        scheme = SCHEMES[args.scheme]
-        weights_handler(scheme).apply(model, scheme, ApplyContext(hw=hardware.cpu(), tokenizer=tok))
-        nbytes = size.weight_stats(model, size.count_params(model))["size/weight_bytes"]
+        model, _, nbytes = quantized(ModelConfig(name=args.model, source=args.model), args.scheme, args.cache_dir,
+                                     args.data_dir)
         tcfg = CPUTargetConfig(compile=variant != "eager", static_cache=args.static)
         target = targets.get(tcfg)
         with inductor("freezing" in variant), target.session():  # session: a fresh dynamo cache per variant

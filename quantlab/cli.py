@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from quantlab.config import RunConfig, register_configs, validate
+from quantlab.config import MODEL_PATH_HINT, RunConfig, register_configs, validate
 from quantlab.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -59,7 +59,7 @@ def _check_sweep_file(path: Path) -> list[str]:
 
 
 # Mandatory fields a preset leaves open, and what to say when they stay open.
-_REQUIRED = {"model.path": "model=hf and model=gguf need model.path=<hub id, local directory or .gguf file>"}
+_REQUIRED = {"model.path": MODEL_PATH_HINT}
 
 
 def to_point(cfg: DictConfig) -> RunConfig:

@@ -224,14 +224,16 @@ def register_configs() -> None:
     cs.store(group="tracking", name="_tracking", node=TrackingConfig)
 
 
+MODEL_PATH_HINT = "model=hf and model=gguf need model.path=<hub id, local directory or .gguf file>"
+
+
 def validate(cfg: Any, path: str = "") -> None:
     """Check every field's range (``metadata`` ``min`` / ``above``; for a list,
     each element) and the fields a choice requires, on the typed config
     ``OmegaConf.to_object`` made. Raises ``ValueError`` with one line naming
     the field, its value and the valid range."""
     if isinstance(cfg, ModelConfig) and cfg.source in ("hf", "gguf") and not cfg.path:
-        raise ValueError(f"model.source={cfg.source} needs model.path=<hub id or local path>"
-                         + (" of a .gguf file" if cfg.source == "gguf" else ""))
+        raise ValueError(MODEL_PATH_HINT)
     if isinstance(cfg, LatencyProbeConfig) and cfg.max_repeats < cfg.repeats:
         raise ValueError(f"{path}max_repeats={cfg.max_repeats}: must be >= {path}repeats ({cfg.repeats})")
     for f in dataclasses.fields(cfg):
