@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from quantlab import gguf_export, hardware, models
@@ -124,8 +125,8 @@ def quality(built, args) -> None:
     wins = None
     if args.data_dir:
         text = perplexity.wikitext2_text(args.data_dir)
-        wins = perplexity.windows(tok(text[:200_000], add_special_tokens=False, return_tensors="pt")["input_ids"][0],
-                                  512, args.ppl_windows)
+        wins, _ = perplexity.windows(tok(text[:200_000], add_special_tokens=False, return_tensors="pt")["input_ids"][0],
+                                     512, args.ppl_windows)
     print(f"\nKL over {ids.shape[1]} tokens of {'WikiText-2 test' if args.data_dir else 'the built-in text'}; "
           f"perplexity over {0 if wins is None else wins.shape[0]} windows of 512")
     print(f"{'scheme':<14} {'runtime':<13} {'KL vs fp32':>11} {'top-1':>7} {'ppl WT2 w512':>13}")
@@ -133,7 +134,7 @@ def quality(built, args) -> None:
         if not rt.startswith("llamacpp"):
             continue
         f = fidelity.compare(ref, fidelity.logprobs(eng, ids))
-        ppl = perplexity.token_perplexity(eng, wins)["ppl_token_wikitext2_w512"] if wins is not None else float("nan")
+        ppl = float(np.exp(perplexity.token_nll(eng, wins).mean())) if wins is not None else float("nan")
         print(f"{s:<14} {rt:<13} {f['fid/kl_mean']:>11.4f} {f['fid/top1_agree']:>7.3f} {ppl:>13.3f}", flush=True)
 
 

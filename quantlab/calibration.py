@@ -34,6 +34,12 @@ def _spec(name: str) -> dict:
     return yaml.safe_load(path.read_text())
 
 
+def files(name: str) -> list[str]:
+    """The data-directory files calibration set ``name`` reads (none for builtin)."""
+    spec = _spec(name)
+    return [] if spec["format"] == "builtin" else [spec["file"]]
+
+
 def missing(name: str, data_dir: str | None) -> str:
     """Why calibration set ``name`` cannot be read here ("" when it can)."""
     spec = _spec(name)

@@ -15,3 +15,7 @@ class Measurement:
     metrics: dict[str, float] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
     artifacts: dict[str, str] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)  # known only once measured (bits per weight)
+    # per-item values behind a metric (token NLLs, 0/1 document scores), logged
+    # as items.json so that two points can be compared paired (quantlab.uncertainty)
+    items: dict[str, list[float]] = field(default_factory=dict)

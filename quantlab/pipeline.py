@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import yaml
 
-from quantlab import hardware, models, targets, tracking
+from quantlab import hardware, models, provenance, targets, tracking
 from quantlab.config import RunConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
@@ -59,11 +59,25 @@ def config_dict(cfg: RunConfig) -> dict:
 
 
 def point_hash(cfg: RunConfig) -> str:
-    """Stable id of what a point measures (not where it is logged or cached)."""
+    """Stable id of what a point measures (not where it is logged or cached):
+    its config, quantlab's code version and the sha256 of the data files it reads."""
     d = config_dict(cfg)
     semantic = {k: d[k] for k in ("model", "scheme", "target", "probe", "seed")}
     semantic["model"] = {k: v for k, v in semantic["model"].items() if k != "name"}
+    semantic["code"] = provenance.code_version()
+    semantic["data"] = provenance.data_fingerprint(cfg)
     return hashlib.sha256(json.dumps(semantic, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_params(cfg: RunConfig) -> dict[str, str]:
+    """The config as MLflow params, plus ``scheme`` (the point's scheme name, a
+    param so that the UI's charts can plot against it); the settings of the
+    in-memory ``tiny`` model only where that is the model."""
+    params = tracking.flatten(config_dict(cfg))
+    if cfg.model.source != "tiny":
+        params = {k: v for k, v in params.items() if not k.startswith("model.tiny.")}
+    params["scheme"] = run_name(cfg).split("@")[0]
+    return params
 
 
 def run_name(cfg: RunConfig) -> str:
@@ -73,7 +87,7 @@ def run_name(cfg: RunConfig) -> str:
 
 
 def base_tags(cfg: RunConfig) -> dict[str, str]:
-    gpu = hardware.cuda(0)
+    gpu, host = hardware.cuda(0), provenance.host()
     return {
         tracking.SWEEP_TAG: cfg.sweep_name,
         "scheme": run_name(cfg).split("@")[0],
@@ -86,6 +100,10 @@ def base_tags(cfg: RunConfig) -> dict[str, str]:
         "point_hash": point_hash(cfg),
         "host.cpu": hardware.cpu_name(),
         "host.gpu": gpu.name if gpu else "none",
+        tracking.HOST_ID_TAG: provenance.host_id(host),
+        "host.fingerprint": host,
+        "quantlab.code": provenance.code_version(),
+        "data.sha256": provenance.data_fingerprint(cfg),
         "git_commit": tracking.git_commit(),
         **tracking.versions(),
     }
@@ -105,14 +123,16 @@ def run_point(cfg: RunConfig) -> PointResult:
     parent = os.environ.get(PARENT_ENV)
     for dead in tracking.reap_dead(client, exp_id):
         log.warning("run %s was left RUNNING by a dead process: marked KILLED", dead)
-    if not cfg.force and (done := tracking.find_finished(client, exp_id, phash)):
-        log.info("[%s] already finished as run %s: reused (force=true re-runs)", name, done.info.run_id)
+    # timings are only reused from this host; accuracy-only points from any
+    same_host = provenance.host_id() if cfg.probe.latency.enabled else None
+    if not cfg.force and (done := tracking.find_finished(client, exp_id, phash, same_host)):
+        log.info("[%s] already finished as run %s on host %s: reused (force=true re-runs)", name,
+                 done.info.run_id, done.data.tags.get("host.fingerprint", "?"))
         if parent:
-            tracking.set_tags(client, parent, {f"{tracking.REUSED_TAG}.{phash}": done.info.run_id})
+            tracking.link_reused(client, exp_id, parent, done, cfg.sweep_name)
         return PointResult(done.info.run_id, name, "reused")
     as_dict = config_dict(cfg)
-    run_id = tracking.start_run(client, exp_id, name, base_tags(cfg), parent_id=parent,
-                                params=tracking.flatten(as_dict))
+    run_id = tracking.start_run(client, exp_id, name, base_tags(cfg), parent_id=parent, params=run_params(cfg))
     tracking.log_text(client, run_id, yaml.safe_dump(as_dict, sort_keys=False), "config.yaml")
     if cfg.isolation == "process":
         return _run_in_subprocess(cfg, run_id, name, client)
@@ -133,6 +153,8 @@ def _execute(cfg: RunConfig, run_id: str, name: str, client=None) -> PointResult
         outcome, reason = "failed", f"{type(e).__name__}: {_first_line(e)}"
         m.artifacts["traceback.txt"] = traceback.format_exc()
         log.error("[%s] failed: %s (traceback logged to the run)", name, reason)
+    if "size/bits_per_weight" in m.metrics:  # as a param too: the UI's parallel coordinates take params
+        m.params["bits_per_weight"] = f"{m.metrics['size/bits_per_weight']:.2f}"
     tracking.log_measurement(client, run_id, m)
     tracking.end(client, run_id, outcome, reason)
     return PointResult(run_id, name, outcome, reason)
@@ -189,6 +211,7 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
                        "backend.weights": applied_w.backend, "backend.kv": applied_kv.backend,
                        **applied_w.tags, **applied_kv.tags})
         m.metrics.update(size.weight_stats(model, n_params))
+        m.metrics["size/embedding_unread_bytes"] = size.embedding_unread_bytes(model, cfg.probe.latency.batch_size)
         compute_bytes = model.get_input_embeddings().weight.element_size()
         engine = target.engine(model, applied_kv, tok)
         try:
@@ -197,7 +220,8 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
                               **engine.metrics})
             if reference is not None:
                 log.info("[%s] fidelity probe (%d tokens)", name, reference[0].shape[1])
-                m.metrics.update(fidelity.compare(reference[1], fidelity.logprobs(engine, reference[0])))
+                m.metrics.update(fidelity.compare(reference[1], fidelity.logprobs(engine, reference[0]),
+                                                  reference[0][0, 1:]))
             _accuracy(cfg, name, engine, tok, m)
             _cache(cfg, name, engine, model.config, tok, compute_bytes, m)
             if cfg.probe.latency.enabled:
@@ -215,6 +239,7 @@ def _reference(cfg: RunConfig, name: str, tok, m: Measurement):
     if not fid.enabled:
         return None
     with _optional_probe("fidelity", name, m):
+        m.tags["probe.fidelity.corpus"] = corpus.resolve(fid.corpus, cfg.data_dir)
         ids = corpus.token_ids(tok, fid.corpus, fid.tokens, cfg.data_dir)
         key = {"model": dataclasses.asdict(cfg.model), "dtype": fid.reference_dtype}
         dtype = getattr(torch, fid.reference_dtype)
@@ -229,15 +254,19 @@ def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     if ppl.enabled:
         with _optional_probe("perplexity", name, m):
             ids = tok(perplexity.wikitext2_text(cfg.data_dir), add_special_tokens=False, return_tensors="pt")
-            wins = perplexity.windows(ids["input_ids"][0], ppl.window, ppl.max_windows)
-            log.info("[%s] perplexity probe (%d windows of %d tokens)", name, len(wins), ppl.window)
-            m.metrics.update(perplexity.token_perplexity(engine, wins))
+            wins, total = perplexity.windows(ids["input_ids"][0], ppl.window, ppl.max_windows)
+            log.info("[%s] perplexity probe (%d of %d windows of %d tokens)", name, len(wins), total, ppl.window)
+            nll = perplexity.token_nll(engine, wins)
+            metric = perplexity.metric_name(ppl.window, len(wins), total)
+            m.metrics.update(perplexity.summary(nll, metric))
+            m.items[metric] = [round(float(x), 5) for x in nll.ravel()]
     acc = cfg.probe.accuracy
     if acc.enabled:
         with _optional_probe("accuracy", name, m):
             log.info("[%s] lm-eval %s (limit %s)", name, ",".join(acc.tasks), acc.limit)
-            metrics, results = accuracy.evaluate(engine, tok, acc, cfg.data_dir, cfg.cache_dir, cfg.seed)
+            metrics, results, items = accuracy.evaluate(engine, tok, acc, cfg.data_dir, cfg.cache_dir, cfg.seed)
             m.metrics.update(metrics)
+            m.items.update(items)
             m.artifacts["lm_eval_results.json"] = json.dumps(results, indent=2, default=str)
 
 
@@ -251,6 +280,7 @@ def _cache(cfg: RunConfig, name: str, engine, config, tok, compute_bytes: int, m
         return
     n = c.prefix_tokens + c.continuation_tokens
     with _optional_probe("cache", name, m):
+        m.tags["probe.cache.corpus"] = corpus.resolve(c.corpus, cfg.data_dir)
         wins = corpus.token_ids(tok, c.corpus, n * c.windows, cfg.data_dir).reshape(c.windows, n)
         log.info("[%s] cache probe (%d x %d tokens, chunk %d)", name, c.windows, n, c.chunk)
         m.metrics.update(cache_probe.probe(engine, config, wins, c, compute_bytes))
@@ -277,14 +307,9 @@ def _latency(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     why = engine.cannot("energy")
     counter, why = (None, why) if why else energy.open_counter(engine.device)
     load_before = os.getloadavg()[0]
-    e0 = counter.read() if counter else None
-    out, raw = latency.measure(engine, tok, prompt, lat)
+    out, raw = latency.measure(engine, tok, prompt, lat, counter)  # joules of timed requests only
     tags = {"threads": str(torch.get_num_threads())}
-    if counter:
-        joules = counter.delta(e0, counter.read())
-        tokens = sum(b * lat.new_tokens for b, _, _ in raw)
-        out.update({"energy/joules": joules, "energy/tok_per_j": tokens / joules if joules > 0 else 0.0})
-    else:
+    if not counter:
         tags["energy.reason"] = why
     load = max(load_before, os.getloadavg()[0])
     out["sys/load1"] = load
@@ -295,15 +320,17 @@ def _latency(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
         peak = roofline.host_bandwidth(cfg.cache_dir, engine.device)
         b, p = latency.cells(lat)[0]
         kv_mid = out.get("mem/kv_mb", 0.0) * 2**20 * (p + lat.new_tokens / 2) / (p + lat.new_tokens)
-        # the runtime's own weight bytes where it stores them differently (llama.cpp's blocks)
-        weights = m.metrics.get("size/runtime_weight_bytes", m.metrics["size/weight_bytes"])
+        # the runtime's own weight bytes where it stores them differently (llama.cpp's
+        # blocks), less the rows of an untied embedding table a step does not read
+        weights = m.metrics.get("size/runtime_weight_bytes", m.metrics["size/weight_bytes"]) \
+            - m.metrics.get("size/embedding_unread_bytes", 0.0)
         out.update(roofline.utilisation(weights + kv_mid, out["lat/tpot_ms_p50"], peak))
     m.artifacts["latency_samples.csv"] = latency.samples_csv(raw)
     if lat.stages and (why := engine.cannot("stages")):
         tags["probe.stages.skipped"] = why
     elif lat.stages:
         samples, totals = stages.measure(engine, tok, prompt, lat.prompt_tokens,
-                                         max(lat.new_tokens - 1, 1), lat.stage_requests)
+                                         max(lat.new_tokens - 1, 1), lat.stage_requests, lat.batch_size)
         csv, stage_metrics = stages.table(samples, totals)
         out.update(stage_metrics)
         m.artifacts["stages.csv"] = csv

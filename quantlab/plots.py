@@ -13,6 +13,27 @@ def _frontier(cost_key: str, pts: list[Point]) -> list[Point]:
     return frontier(pts if cost_key.startswith("size/") else [p for p in pts if not p.emulated])
 
 
+OFFSETS = ((4, 4), (4, -12), (4, 16), (4, -24), (4, 28), (4, -36), (4, 40), (4, -48))
+
+
+def label_offsets(pts: list[Point], near: float = 0.04) -> list[tuple[int, int]]:
+    """A label offset (points) per point, so that labels of points closer than
+    ``near`` of the axes' spans (bf16/fp16 at the same size and loss, the int4
+    group sizes) stack instead of overlapping."""
+    if not pts:
+        return []
+    span_c = (max(p.cost for p in pts) - min(p.cost for p in pts)) or 1.0
+    span_l = (max(p.loss for p in pts) - min(p.loss for p in pts)) or 1.0
+    placed: list[tuple[Point, int]] = []
+    out = []
+    for p in pts:
+        taken = {i for q, i in placed if abs(q.cost - p.cost) / span_c < near and abs(q.loss - p.loss) / span_l < near}
+        i = next(i for i in range(len(pts) + 1) if i not in taken)
+        placed.append((p, i))
+        out.append(OFFSETS[i % len(OFFSETS)] if i < len(OFFSETS) else (4, 4 + 12 * i))
+    return out
+
+
 def png(panels: dict[str, list[Point]], loss_label: str, path: Path, title: str) -> Path:
     """One panel per cost axis; frontier joined by a line; emulated points hollow
     red crosses labelled "(emulated)" so nobody reads their latency as real."""
@@ -33,9 +54,15 @@ def png(panels: dict[str, list[Point]], loss_label: str, path: Path, title: str)
         if front:
             ax.plot([p.cost for p in front], [p.loss for p in front], "-", c="tab:green", lw=1.5,
                     label="Pareto frontier")
-        for p in pts:
+        bounded = [p for p in pts if p.loss_upper is not None]
+        if bounded:  # the 95 % bound the budget decision uses
+            ax.errorbar([p.cost for p in bounded], [p.loss for p in bounded],
+                        yerr=[[0.0] * len(bounded), [p.upper - p.loss for p in bounded]], fmt="none",
+                        ecolor="gray", elinewidth=1, capsize=3, label="95% upper bound of the loss")
+        for p, offset in zip(pts, label_offsets(pts)):
             ax.annotate(p.name + (" (emulated)" if p.emulated else ""), (p.cost, p.loss),
-                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+                        textcoords="offset points", xytext=offset, fontsize=8,
+                        arrowprops=dict(arrowstyle="-", lw=0.5, color="gray") if offset != OFFSETS[0] else None)
         ax.set_xlabel(COSTS.get(cost_key, cost_key))
         ax.set_ylabel(loss_label)
         if pts and min(p.loss for p in pts) > 0 and max(p.loss for p in pts) / min(p.loss for p in pts) > 100:
@@ -60,6 +87,8 @@ def html(panels: dict[str, list[Point]], loss_label: str, path: Path, title: str
             if sel:
                 fig.add_trace(go.Scatter(
                     x=[p.cost for p in sel], y=[p.loss for p in sel], mode="markers+text",
+                    error_y=dict(type="data", symmetric=False, array=[p.upper - p.loss for p in sel],
+                                 arrayminus=[0.0] * len(sel), color="gray"),
                     text=[p.name for p in sel], textposition="top right",
                     marker=dict(color=color, symbol=symbol, size=10),
                     name="emulated (latency not real)" if emulated else "measured point",
@@ -72,5 +101,7 @@ def html(panels: dict[str, list[Point]], loss_label: str, path: Path, title: str
         fig.update_xaxes(title_text=COSTS.get(cost_key, cost_key), row=1, col=col)
         fig.update_yaxes(title_text=loss_label, row=1, col=col)
     fig.update_layout(title=title, height=500)
+    # plotly.js inlined (4.8 MB): the MLflow UI shows this file in a sandboxed
+    # frame on machines that often have no route to a CDN
     fig.write_html(str(path), include_plotlyjs=True, full_html=True)
     return path

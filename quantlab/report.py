@@ -5,50 +5,92 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from quantlab import plots, tracking
+from quantlab import decision, plots, tracking, uncertainty
 from quantlab.errors import UserError
 from quantlab.pareto import Point, Recommendation, fastest_within, frontier
 
-# (header, metric or tag key, format)
+# (header, metric or tag key, format); a metric with a standard error (see
+# STDERR) prints as "value±se".
 COLUMNS = (
     ("point", "name", "{}"),
     ("outcome", "tag:" + tracking.OUTCOME_TAG, "{}"),
     ("emulated", "tag:emulated", "{}"),
-    ("MB", "size/weight_mb", "{:.1f}"),
+    ("MiB", "size/weight_mb", "{:.1f}"),
     ("bits/w", "size/bits_per_weight", "{:.2f}"),
     ("KL mean", "fid/kl_mean", "{:.2e}"),
     ("top1", "fid/top1_agree", "{:.3f}"),
+    ("KV KL", "kvfid/kl_mean", "{:.2e}"),  # decoding through the point's cache vs without one
     ("TTFT p50 ms", "lat/ttft_ms_p50", "{:.1f}"),
     ("TPOT p50 ms", "lat/tpot_ms_p50", "{:.2f}"),
     ("TPOT p99 ms", "lat/tpot_ms_p99", "{:.2f}"),
     ("decode tok/s", "tput/decode_tok_s", "{:.1f}"),
-    ("peak RSS MB", "mem/peak_rss_mb", "{:.0f}"),
+    ("peak RSS MiB", "mem/peak_rss_mb", "{:.0f}"),
 )
+NOT_SIGNIFICANT = "~"
 
 
-def _cell(run, key: str, fmt: str, reused: bool) -> str:
+def stderr_of(metrics: dict[str, float], key: str) -> float | None:
+    """The standard error logged beside ``key`` (absolute units), if any."""
+    if key.startswith(decision.LOWER_IS_BETTER) and f"{key}_ln_stderr" in metrics:
+        return metrics[key] * metrics[f"{key}_ln_stderr"]  # delta method: se(PPL) = PPL * se(ln PPL)
+    name, _, task = key.partition("/")
+    for k in (f"{name}_stderr/{task}", f"{key}_stderr"):
+        if k in metrics:
+            return metrics[k]
+    return None
+
+
+def _cell(run, key: str, fmt: str, note: str, reused: bool) -> str:
     if key == "name":
-        return run.info.run_name
+        return run.info.run_name + note
     if key == "tag:" + tracking.OUTCOME_TAG and reused:
         return "reused"
     if key.startswith("tag:"):
         return run.data.tags.get(key[4:], "-")
     value = run.data.metrics.get(key)
-    return "-" if value is None else fmt.format(value)
+    if value is None:
+        return "-"
+    se = stderr_of(run.data.metrics, key)
+    if se is None:
+        return fmt.format(value)
+    return fmt.format(value) + "±" + (f"{se:.1e}" if fmt == "{:.2e}" else fmt.format(se))
 
 
-def table(runs, reused: set[str] = frozenset()) -> str:
+def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = None) -> str:
     """Markdown table, one row per run; missing values are ``-``, never 0.
-    Runs in ``reused`` were finished by an earlier sweep and shown as such."""
+    Runs in ``reused`` were finished by an earlier sweep and shown as such.
+    With ``base`` and per-run ``items``, accuracy and perplexity cells whose
+    paired difference from the baseline is not significant carry ``~``."""
+    items = items or {}
     extra = sorted({k for r in runs for k in r.data.metrics
                     if k.startswith(("acc/", "acc_norm/", "ppl_token_wikitext2_w"))
-                    and not k.endswith("_windows")})
-    columns = [*COLUMNS, *((k, k, "{:.4g}") for k in extra)]
+                    and not k.endswith(("_windows", "_stderr"))})
+    columns = [*COLUMNS, *((k, k, "{:.4g}" if k.startswith("ppl") else "{:.3f}") for k in extra)]
     rows = [[h for h, _, _ in columns]]
-    rows += [[_cell(r, k, f, r.info.run_id in reused) for _, k, f in columns] for r in runs]
+    for r in runs:
+        note = " (baseline)" if base is not None and r.info.run_id == base.info.run_id else ""
+        row = [_cell(r, k, f, note, r.info.run_id in reused) for _, k, f in columns]
+        if base is not None and r.info.run_id != base.info.run_id:
+            for i, (_, k, _) in enumerate(columns):
+                pair = decision.compare(k, items.get(r.info.run_id, {}), items.get(base.info.run_id, {}))
+                if pair is not None and not pair.significant:
+                    row[i] += " " + NOT_SIGNIFICANT
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines += ["", "value±se: standard error (accuracies: over documents; perplexity: delta method over "
+              "tokens; KL and top1: over positions of the fidelity text)."]
+    if base is not None:
+        lines.append(f"{NOT_SIGNIFICANT}: not significantly different from the baseline {base.info.run_name} "
+                     f"(paired on the same items: exact McNemar for accuracies, per-token NLL for "
+                     f"perplexity; p >= {uncertainty.ALPHA}).")
+    origins = [f"- {r.info.run_name}: measured by run {tracking.origin(r)}, "
+               f"host {r.data.tags.get('host.fingerprint', r.data.tags.get('host.cpu', '?'))}"
+               for r in runs if r.info.run_id in reused]
+    if origins:
+        lines += ["", "Reused from earlier runs (same config, code and data; timings only from this host):",
+                  *origins]
     reasons = [f"- {r.info.run_name}: {r.data.tags[tracking.REASON_TAG]}" for r in runs
                if tracking.REASON_TAG in r.data.tags]
     if reasons:
@@ -59,20 +101,42 @@ def table(runs, reused: set[str] = frozenset()) -> str:
     return "\n".join(lines)
 
 
-HIGHER_IS_BETTER = ("acc/", "acc_norm/", "exact_match/")
-LOWER_IS_BETTER = ("ppl_token_wikitext2_w", "perplexity/", "word_perplexity/", "byte_perplexity/",
-                   "bits_per_byte/")
+def paired_table(runs, base, items: dict) -> str:
+    """Each point against the baseline on the same items: the difference, its
+    standard error and p-value per accuracy/perplexity metric."""
+    b_items = items.get(base.info.run_id, {})
+    keys = sorted(k for k in b_items if k.startswith((*decision.HIGHER_IS_BETTER, *decision.LOWER_IS_BETTER)))
+    lines = []
+    for r in runs:
+        if r.info.run_id == base.info.run_id or not tracking.done(r):
+            continue
+        cells = []
+        for k in keys:
+            pair = decision.compare(k, items.get(r.info.run_id, {}), b_items)
+            if pair is None:
+                continue
+            what = "ln PPL ratio" if k.startswith(decision.LOWER_IS_BETTER) else "diff"
+            mark = "" if pair.significant else f" {NOT_SIGNIFICANT}"
+            cells.append(f"{k}: {what} {pair.diff:+.4f}±{pair.stderr:.4f} (p={pair.p_value:.2g}, n={pair.n}){mark}")
+        if cells:
+            lines.append(f"- {r.info.run_name}: " + "; ".join(cells))
+    if not lines:
+        return ""
+    return "\n".join([f"Against the baseline {base.info.run_name}, paired on the same documents/tokens "
+                      f"(point - baseline ± se):", *lines])
 
 
 def baseline_run(runs, choice: str = "auto"):
     """The run others are compared to: ``auto`` picks the finished point with the
-    most bits per weight (the highest precision); otherwise the point whose
-    scheme tag equals ``choice`` (e.g. ``bf16``). None if there is none."""
-    done = [r for r in runs if r.data.tags.get(tracking.OUTCOME_TAG) == "finished"]
+    most bits per weight (the highest precision), preferring bf16 over fp16 at
+    equal bits (the dtype models are trained and shipped in); otherwise the
+    point whose scheme tag equals ``choice`` (e.g. ``bf16``). None if there is none."""
+    done = [r for r in runs if tracking.done(r)]
     if choice != "auto":
         return next((r for r in done if r.data.tags.get("scheme") == choice), None)
     with_bits = [r for r in done if "size/bits_per_weight" in r.data.metrics]
-    return max(with_bits, key=lambda r: r.data.metrics["size/bits_per_weight"], default=None)
+    return max(with_bits, key=lambda r: (r.data.metrics["size/bits_per_weight"],
+                                         r.data.tags.get("scheme") == "bf16", r.info.run_name), default=None)
 
 
 def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, float]:
@@ -82,11 +146,11 @@ def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, flo
     out = {}
     for key, value in metrics.items():
         b = base.get(key)
-        if b is None or key.endswith("_windows"):
+        if b is None or key.endswith(("_windows", "_stderr")):
             continue
-        if key.startswith(HIGHER_IS_BETTER) and b > 0:
+        if key.startswith(decision.HIGHER_IS_BETTER) and b > 0:
             out[f"recovery/{key}"] = value / b
-        elif key.startswith(LOWER_IS_BETTER) and value > 0:
+        elif key.startswith(decision.LOWER_IS_BETTER) and value > 0:
             out[f"recovery/{key}"] = b / value
     return out
 
@@ -94,51 +158,57 @@ def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, flo
 # --- decision report -------------------------------------------------------
 
 DEFAULT_BUDGETS = (0.01, 0.05)
+BASELINE_TAG = "recovery.baseline"  # on the parent: the run name the sweep compared against
 
 
 def decision_metric(runs, choice: str = "auto") -> str:
-    """``auto``: token-level perplexity recovery when measured (thousands of
-    tokens: far less noisy than a task accuracy over ~100 documents, which can
-    rise by chance), else the first accuracy recovery, else top-1 agreement
-    with the reference (needs no labels)."""
+    """``auto``: token-level perplexity when measured (thousands of tokens: far
+    less noisy than a task accuracy over ~100 documents), else the first
+    accuracy, else top-1 agreement with the reference (needs no labels)."""
     if choice != "auto":
-        return choice
-    keys = sorted({k for r in runs for k in r.data.metrics})
-    for prefix in ("recovery/ppl_token_wikitext2_w", "recovery/acc_norm/", "recovery/acc/"):
+        return decision.base_metric(choice)
+    keys = sorted({k for r in runs for k in r.data.metrics if not k.endswith(("_windows", "_stderr"))})
+    for prefix in ("ppl_token_wikitext2_w", "acc_norm/", "acc/"):
         hit = [k for k in keys if k.startswith(prefix)]
         if hit:
             return hit[0]
     return "fid/top1_agree"
 
 
-def loss_of(metrics: dict[str, float], metric: str) -> float | None:
-    """Relative loss in [0, 1] for recovery/agreement metrics; KL as is."""
-    v = metrics.get(metric)
-    if v is None:
-        return None
-    if metric.startswith("recovery/") or metric == "fid/top1_agree":
-        return max(0.0, 1.0 - v)
-    return v
-
-
-def points(runs, metric: str, cost: str) -> list[Point]:
+def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -> list[Point]:
+    """Finished runs with both a loss (see :mod:`quantlab.decision`) and ``cost``."""
+    items = items or {}
+    b_metrics = base.data.metrics if base is not None else {}
+    b_items = items.get(base.info.run_id, {}) if base is not None else {}
     out = []
     for r in runs:
         m = r.data.metrics
-        loss = loss_of(m, metric)
-        if r.data.tags.get(tracking.OUTCOME_TAG) == "finished" and loss is not None and cost in m:
-            out.append(Point(r.info.run_name, m[cost], loss, r.data.tags.get("emulated") == "true"))
+        if not tracking.done(r) or cost not in m:
+            continue
+        lo = decision.loss(metric, m, items.get(r.info.run_id, {}), b_metrics, b_items)
+        if lo is not None:
+            out.append(Point(r.info.run_name, m[cost], lo.value, r.data.tags.get("emulated") == "true",
+                             lo.upper if lo.bounded else None))
     return out
 
 
-def decide(runs, metric: str, budgets=DEFAULT_BUDGETS) -> tuple[str, dict[float, Recommendation]]:
-    """Markdown: frontiers and the fastest real point within each budget."""
-    lat = points(runs, metric, "lat/tpot_ms_p50")
-    mem = points(runs, metric, "size/weight_mb")
-    kl = metric.startswith(("fid/kl", "kvfid/kl"))
-    unit = "" if kl else " (relative loss)"
-    lines = [f"Decision metric: `{metric}`{unit}; loss = "
-             + ("the KL value" if kl else "1 - value") + "; latency = decode TPOT P50.", ""]
+def _loss_text(p: Point) -> str:
+    return f"{p.loss:.3g}" + ("" if p.loss_upper is None else f" (95% bound {p.loss_upper:.3g})")
+
+
+def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
+           items: dict | None = None) -> tuple[str, dict[float, Recommendation]]:
+    """Markdown: the decision rule, frontiers and the fastest real point whose
+    pessimistic loss is within each budget."""
+    lat = points(runs, metric, "lat/tpot_ms_p50", base, items)
+    mem = points(runs, metric, "size/weight_mb", base, items)
+    kl = metric.startswith(decision.KL)
+    against = "" if kl or metric.startswith("fid/") or base is None else f" against {base.info.run_name}"
+    lines = [f"Decision rule: loss on `{metric}`{against} = "
+             + ("the KL value" if kl else "1 - top-1 agreement" if metric == "fid/top1_agree" else
+                "1 - point/baseline (perplexity: 1 - baseline/point)")
+             + "; a point meets a budget when the 95% upper bound of its loss does (paired over the same "
+               "items where both runs logged them); among those, the lowest decode TPOT P50 wins.", ""]
     lines.append("Frontier, loss vs decode latency: " + ", ".join(
         f"{p.name} ({p.cost:.2f} ms, {p.loss:.3g})" for p in frontier([p for p in lat if not p.emulated])))
     lines.append("Frontier, loss vs weight memory: " + ", ".join(
@@ -152,10 +222,28 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS) -> tuple[str, dict[float,
             lines.append(f"- Within {what}: no real point qualifies.")
         else:
             lines.append(f"- Fastest within {what}: **{rec.point.name}** — {rec.point.cost:.2f} ms/token, "
-                         f"loss {rec.point.loss:.3g} (margin {rec.margin:.3g}; {rec.candidates} qualified)")
+                         f"loss {_loss_text(rec.point)} (margin {rec.margin:.3g}; {rec.candidates} qualified)")
+        for p in rec.undecided:
+            lines.append(f"  - cannot tell: {p.name} is faster ({p.cost:.2f} ms) with loss {_loss_text(p)}; "
+                         f"the estimate is within {what} but the bound is not. More items (accuracy limit, "
+                         f"perplexity windows) would decide.")
     if any(p.emulated for p in lat):
         lines.append("- Emulated points are never recommended: their latency is not that of the scheme.")
     return "\n".join(lines), recs
+
+
+def next_steps(runs, recs: dict[float, Recommendation], sweep: str, parent_id: str, out: Path,
+               logged: bool) -> str:
+    """Run ids, the export command of each recommendation, and where the
+    report's files went."""
+    lines = ["Runs: " + ", ".join(f"{r.info.run_name} {tracking.origin(r)}" for r in runs if tracking.done(r))]
+    for b, rec in recs.items():
+        if rec.point is not None:
+            lines.append(f"- export the {b:g} pick: `python -m quantlab.export --sweep {sweep} --budget {b:g} "
+                         f"--out exports/{sweep}-{b:g}`")
+    where = f"Files: report.md, pareto.png, pareto.html in {out}"
+    lines.append(where + (f", and as artifacts of the parent run {parent_id}." if logged else "."))
+    return "\n".join(lines)
 
 
 def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
@@ -166,15 +254,20 @@ def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
     runs, reused = tracking.sweep_runs(client, experiment_id, parent_id)
     runs += reused
     tags = client.get_run(parent_id).data.tags
+    base = next((r for r in runs if r.info.run_name == tags.get(BASELINE_TAG)), None) or baseline_run(runs)
+    items = {r.info.run_id: tracking.load_items(client, tracking.origin(r)) for r in runs if tracking.done(r)}
     metric = decision_metric(runs, metric)
-    text, recs = decide(runs, metric, budgets)
+    text, recs = decide(runs, metric, budgets, base, items)
     sweep = tags.get(tracking.SWEEP_TAG, "?")
-    body = f"# Sweep {sweep} ({parent_id})\n\n{table(runs, {r.info.run_id for r in reused})}\n\n{text}\n"
+    paired_text = paired_table(runs, base, items) if base is not None else ""
     out = Path(out_dir or tempfile.mkdtemp(prefix="quantlab-report-"))
     out.mkdir(parents=True, exist_ok=True)
+    body = (f"# Sweep {sweep} ({parent_id})\n\n{table(runs, {r.info.run_id for r in reused}, base, items)}\n\n"
+            + (paired_text + "\n\n" if paired_text else "") + f"{text}\n\n"
+            + next_steps(runs, recs, sweep, parent_id, out, log_to_run) + "\n")
     (out / "report.md").write_text(body)
-    panels = {c: points(runs, metric, c) for c in ("lat/tpot_ms_p50", "size/weight_mb")}
-    label = metric if metric.startswith(("fid/kl", "kvfid/kl")) else f"loss = 1 - {metric}"
+    panels = {c: points(runs, metric, c, base, items) for c in ("lat/tpot_ms_p50", "size/weight_mb")}
+    label = metric if metric.startswith(decision.KL) else f"relative loss on {metric}"
     title = f"quantlab sweep {sweep}"
     if any(panels.values()):
         plots.png(panels, label, out / "pareto.png", title)
@@ -184,10 +277,14 @@ def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
             if (out / f).is_file():
                 client.log_artifact(parent_id, str(out / f))
         by_name = {r.info.run_name: r.info.run_id for r in runs}
+        for p in panels["size/weight_mb"]:  # the loss as a metric: the UI's charts plot it against latency
+            tracking.log_metrics(client, by_name[p.name], {"decision/loss": p.loss, "decision/loss_upper": p.upper})
+            tracking.set_tags(client, by_name[p.name], {"decision.metric": metric})
         for b, rec in recs.items():
             if rec.point is not None:
                 tracking.set_tags(client, by_name[rec.point.name], {f"quantlab.recommended.{b:g}": "true"})
-                tracking.set_tags(client, parent_id, {f"recommended.{b:g}": rec.point.name})
+                tracking.set_tags(client, parent_id, {f"recommended.{b:g}": rec.point.name,
+                                                      f"recommended.{b:g}.run_id": by_name[rec.point.name]})
     return body
 
 

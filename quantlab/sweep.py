@@ -53,7 +53,7 @@ class SweepCallback(Callback):
             return
         client, exp_id = tracking.connect(_tracking_cfg(config))
         runs, reused = tracking.sweep_runs(client, exp_id, parent)
-        _log_recovery(client, parent, runs + reused, config.get("recovery_baseline", "auto"))
+        _log_recovery(client, parent, runs, reused, config.get("recovery_baseline", "auto"))
         text = report.build(client, exp_id, parent)  # reads the runs again, recovery included
         print("\n" + text, flush=True)
         failed = [r for r in runs if r.data.tags.get(tracking.OUTCOME_TAG) == "failed"]
@@ -67,13 +67,15 @@ class SweepCallback(Callback):
             sys.exit(1)
 
 
-def _log_recovery(client, parent: str, runs, choice: str) -> None:
-    """Log ``recovery/*`` on every finished point against the sweep's baseline."""
-    base = report.baseline_run(runs, choice)
+def _log_recovery(client, parent: str, runs, reused, choice: str) -> None:
+    """Log ``recovery/*`` on this sweep's own finished points against its
+    baseline (which may be a reused point). Reused runs keep the recovery of the
+    sweep that ran them: the report computes its own against this baseline."""
+    base = report.baseline_run(runs + reused, choice)
     if base is None:
         log.warning("no baseline point %r finished: recovery not computed", choice)
         return
-    tracking.set_tags(client, parent, {"recovery.baseline": base.info.run_name})
+    tracking.set_tags(client, parent, {report.BASELINE_TAG: base.info.run_name})
     for r in runs:
         if r.data.tags.get(tracking.OUTCOME_TAG) == "finished":
             rec = report.recovery(r.data.metrics, base.data.metrics)

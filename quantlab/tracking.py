@@ -6,6 +6,7 @@ several points (or processes) never fight over a global "active run".
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import psutil
 
 import mlflow
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
 
@@ -32,7 +34,10 @@ SWEEP_TAG = "quantlab.sweep"
 OUTCOME_TAG = "quantlab.outcome"  # finished | skipped | failed
 REASON_TAG = "quantlab.reason"
 HASH_TAG = "point_hash"
-REUSED_TAG = "quantlab.reused"  # on a parent: quantlab.reused.<point_hash> = run id finished earlier
+REUSED_FROM_TAG = "quantlab.reused_from"  # on a light child run: the run that measured it
+DONE = ("finished", "reused")  # outcomes whose metrics count
+ITEMS_ARTIFACT = "items.json"
+HOST_ID_TAG = "host.id"  # short hash of the host fingerprint (provenance.host)
 HOST_TAG, PID_TAG, PID_START_TAG = "quantlab.host", "quantlab.pid", "quantlab.pid_start"
 _BATCH = 100  # MLflow's log_batch limit on params per call
 _LOCKED = ("database is locked", "database table is locked")
@@ -143,10 +148,24 @@ def log_measurement(client: MlflowClient, run_id: str, m) -> None:
     """One point's :class:`~quantlab.measurement.Measurement`: tags, metrics, artifacts."""
     if m.tags:
         set_tags(client, run_id, m.tags)
+    if getattr(m, "params", None):
+        client.log_batch(run_id, params=[Param(k, v) for k, v in m.params.items()])
     if m.metrics:
         log_metrics(client, run_id, m.metrics)
     for name, text in m.artifacts.items():
         log_text(client, run_id, text, name)
+    if m.items:
+        log_text(client, run_id, json.dumps(m.items, separators=(",", ":")), ITEMS_ARTIFACT)
+
+
+def load_items(client: MlflowClient, run_id: str) -> dict[str, list[float]]:
+    """A run's per-item values (``items.json``); empty when it logged none.
+    For a light run of a reused point, pass :func:`origin` (the items stay there)."""
+    try:
+        path = client.download_artifacts(run_id, ITEMS_ARTIFACT, tempfile.mkdtemp(prefix="quantlab-items-"))
+    except MlflowException:
+        return {}
+    return json.loads(Path(path).read_text())
 
 
 @retry
@@ -182,19 +201,49 @@ def children(client: MlflowClient, experiment_id: str, parent_id: str) -> list:
 
 @retry
 def sweep_runs(client: MlflowClient, experiment_id: str, parent_id: str) -> tuple[list, list]:
-    """A sweep's points: its own child runs, and the earlier finished runs it reused."""
-    tags = client.get_run(parent_id).data.tags
-    reused = [client.get_run(v) for k, v in tags.items() if k.startswith(REUSED_TAG + ".")]
-    return children(client, experiment_id, parent_id), reused
+    """A sweep's child runs: those it ran, and the light runs standing for the
+    earlier runs it reused (see :func:`link_reused`)."""
+    runs = children(client, experiment_id, parent_id)
+    own = [r for r in runs if REUSED_FROM_TAG not in r.data.tags]
+    return own, [r for r in runs if REUSED_FROM_TAG in r.data.tags]
+
+
+def done(run) -> bool:
+    """The run's point was measured (here or, for a light run, earlier)."""
+    return run.data.tags.get(OUTCOME_TAG) in DONE
+
+
+def origin(run) -> str:
+    """The id of the run that measured this point (itself unless reused)."""
+    return run.data.tags.get(REUSED_FROM_TAG, run.info.run_id)
+
+
+def link_reused(client: MlflowClient, experiment_id: str, parent_id: str, earlier, sweep: str) -> str:
+    """A light child run under ``parent_id`` for the ``earlier`` finished run a
+    sweep reuses: same name, params, metrics and tags (the sweep's own name,
+    outcome ``reused`` and ``quantlab.reused_from`` = the earlier run), so the
+    sweep's parent shows every point in the MLflow UI and its tag filter finds
+    them all. Artifacts stay with the earlier run (:func:`origin`)."""
+    own = ("mlflow.", PARENT_TAG, HASH_TAG, OUTCOME_TAG, REASON_TAG, SWEEP_TAG, HOST_TAG, PID_TAG, PID_START_TAG,
+           "quantlab.recommended.")
+    tags = {k: v for k, v in earlier.data.tags.items() if not k.startswith(own)}
+    tags.update({SWEEP_TAG: sweep, OUTCOME_TAG: "reused", REUSED_FROM_TAG: earlier.info.run_id})
+    run_id = start_run(client, experiment_id, earlier.info.run_name, tags, parent_id=parent_id,
+                       params=dict(earlier.data.params))
+    log_metrics(client, run_id, {k: v for k, v in earlier.data.metrics.items() if not k.startswith("recovery/")})
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
 
 
 @retry
-def find_finished(client: MlflowClient, experiment_id: str, point_hash: str):
-    """The newest successfully finished run of this point, or None."""
+def find_finished(client: MlflowClient, experiment_id: str, point_hash: str, host_id: str | None = None):
+    """The newest successfully finished run of this point (measured on host
+    ``host_id`` when given), or None."""
+    host = f" and tags.`{HOST_ID_TAG}` = '{host_id}'" if host_id else ""
     runs = client.search_runs(
         [experiment_id],
         filter_string=(f"tags.`{HASH_TAG}` = '{point_hash}' and attributes.status = 'FINISHED' "
-                       f"and tags.`{OUTCOME_TAG}` = 'finished'"),
+                       f"and tags.`{OUTCOME_TAG}` = 'finished'{host}"),
         order_by=["attributes.start_time DESC"], max_results=1)
     return runs[0] if runs else None
 

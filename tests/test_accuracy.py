@@ -43,15 +43,19 @@ def test_lm_eval_parity_with_direct_run(tiny, tmp_path):
 
     model, tok = tiny
     cfg = AccuracyProbeConfig(enabled=True, tasks=["arc_easy_local", "piqa_local"], limit=24, batch_size=4)
-    ours, _ = accuracy.evaluate(TorchEngine(model), tok, cfg, str(SHARED_DATA), str(tmp_path), seed=3)
+    ours, _, items = accuracy.evaluate(TorchEngine(model), tok, cfg, str(SHARED_DATA), str(tmp_path), seed=3)
     include, counts = accuracy.prepare_tasks(cfg.tasks, str(SHARED_DATA), str(tmp_path))
     samples = {t: accuracy.sample_indices(counts[t], 24, 3, t) for t in cfg.tasks}
+    # bootstrap_iters > 0 makes lm-eval compute acc_stderr (analytically, for a mean)
     direct = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=1),
-                             tasks=cfg.tasks, samples=samples, bootstrap_iters=0,
+                             tasks=cfg.tasks, samples=samples, bootstrap_iters=10,
                              task_manager=TaskManager(include_path=str(include)))
     for t in cfg.tasks:
         for m in ("acc", "acc_norm"):
             assert ours[f"{m}/{t}"] == direct["results"][t][f"{m},none"]
+            assert ours[f"{m}_stderr/{t}"] == pytest.approx(direct["results"][t][f"{m}_stderr,none"], rel=1e-9)
+            assert sum(items[f"{m}/{t}"]) / 24 == pytest.approx(ours[f"{m}/{t}"])
+        assert items[f"doc_ids/{t}"] == sorted(items[f"doc_ids/{t}"]) and len(items[f"doc_ids/{t}"]) == 24
     assert len(samples["arc_easy_local"]) == 24
 
 
@@ -85,13 +89,13 @@ def test_token_perplexity_matches_independent_computation(tiny):
     """Against HF's own shifted cross-entropy, a different code path."""
     model, tok = tiny
     ids = torch.randint(0, 256, (4 * 64 + 10,), generator=torch.Generator().manual_seed(0))
-    wins = perplexity.windows(ids, 64, None)
+    wins, _ = perplexity.windows(ids, 64, None)
     assert wins.shape == (4, 64)
     ours = perplexity.token_perplexity(TorchEngine(model), wins)["ppl_token_wikitext2_w64"]
     with torch.no_grad():
         losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in wins]
     assert ours == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-4)
-    assert perplexity.windows(ids, 64, 2).shape == (2, 64)
+    assert perplexity.windows(ids, 64, 2)[0].shape == (2, 64)
     with pytest.raises(ValueError, match="fewer than one window"):
         perplexity.windows(ids[:10], 64, None)
 
@@ -129,11 +133,18 @@ def test_sweep_logs_accuracy_perplexity_recovery_and_results_json(tmp_path):
     c = MlflowClient(uri)
     runs = {r.info.run_name: r for r in c.search_runs([c.get_experiment_by_name("quantlab").experiment_id])}
     m = runs["int8@cpu"].data.metrics
-    assert "acc/arc_easy_local" in m and "ppl_token_wikitext2_w256" in m
-    assert m["recovery/ppl_token_wikitext2_w256"] == pytest.approx(
-        runs["fp32@cpu"].data.metrics["ppl_token_wikitext2_w256"] / m["ppl_token_wikitext2_w256"])
+    ppl = "ppl_token_wikitext2_w256_first2"  # 2 windows of many: named so
+    assert "acc/arc_easy_local" in m and ppl in m and 0 < m["acc_stderr/arc_easy_local"] < 0.2
+    assert 0 < m[f"{ppl}_ln_stderr"] < 0.5 and "fid/ln_ppl_ratio_stderr" in m
+    assert m[f"recovery/{ppl}"] == pytest.approx(runs["fp32@cpu"].data.metrics[ppl] / m[ppl])
     assert runs["fp32@cpu"].data.metrics["recovery/acc/arc_easy_local"] == 1.0
-    assert "lm_eval_results.json" in {a.path for a in c.list_artifacts(runs["int8@cpu"].info.run_id)}
+    assert {"lm_eval_results.json", "items.json"} <= {a.path for a in c.list_artifacts(runs["int8@cpu"].info.run_id)}
+    items = tracking.load_items(c, runs["int8@cpu"].info.run_id)
+    assert len(items["acc/arc_easy_local"]) == 16 and len(items[ppl]) == 2 * 255
+    assert math.exp(sum(items[ppl]) / len(items[ppl])) == pytest.approx(m[ppl], rel=1e-4)
+    text = proc.stdout
+    assert "±" in text and "Decision rule:" in text and "95%" in text
+    assert "int8@cpu: acc/arc_easy_local: diff" in text and "ln PPL ratio" in text
 
 
 def test_missing_data_dir_skips_accuracy_but_logs_the_rest(tmp_path):
@@ -160,7 +171,7 @@ def test_rolling_loglikelihood_parity_with_hflm(tiny, tmp_path):
 
     model, tok = tiny
     cfg = AccuracyProbeConfig(enabled=True, tasks=["wikitext2_local"], limit=2, batch_size=2, max_length=256)
-    ours, _ = accuracy.evaluate(TorchEngine(model), tok, cfg, str(SHARED_DATA), str(tmp_path), seed=0)
+    ours, _, _ = accuracy.evaluate(TorchEngine(model), tok, cfg, str(SHARED_DATA), str(tmp_path), seed=0)
     include, counts = accuracy.prepare_tasks(cfg.tasks, str(SHARED_DATA), str(tmp_path))
     samples = {"wikitext2_local": accuracy.sample_indices(counts["wikitext2_local"], 2, 0, "wikitext2_local")}
     direct = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tok, device="cpu", batch_size=1, max_length=256),
@@ -168,3 +179,63 @@ def test_rolling_loglikelihood_parity_with_hflm(tiny, tmp_path):
                              task_manager=TaskManager(include_path=str(include)))
     want = direct["results"]["wikitext2_local"]["word_perplexity,none"]
     assert ours["word_perplexity/wikitext2_local"] == pytest.approx(want, rel=1e-5)
+
+
+@needs_data
+def test_wikitext_local_counts_words_and_bytes_as_lm_eval(tmp_path):
+    """Pages as EleutherAI/wikitext_document_level; words and bytes counted by
+    lm-eval's own process_results on the original page (241,335 words, the
+    count of lm-eval's wikitext task), the scored text from its detokenizer."""
+    import json as _json
+
+    from lm_eval.tasks.wikitext import preprocess_wikitext as lm
+
+    include, _ = accuracy.prepare_tasks(["wikitext2_local"], str(SHARED_DATA), str(tmp_path))
+    docs = [_json.loads(line) for line in (include / "wikitext2.jsonl").read_text().splitlines()]
+    assert len(docs) == 62 and docs[0]["page"].startswith(" = Robert Boulter = \n")
+    counts = [lm.process_results(d, (0.0,)) for d in docs]
+    assert sum(c["word_perplexity"][1] for c in counts) == 241335
+    assert sum(c["byte_perplexity"][1] for c in counts) == 1290527
+    assert " @-@ " in docs[0]["page"] and " @-@ " not in lm.wikitext_detokenizer(docs[0])
+    assert (include / "preprocess_wikitext.py").is_file()
+    assert "!function preprocess_wikitext.process_results" in (include / "wikitext2_local.yaml").read_text()
+
+
+@needs_data
+def test_recovery_is_not_relogged_onto_a_reused_run(tmp_path):
+    """A point reused by a second sweep keeps the recovery its own sweep gave
+    it; the second sweep's report computes its own against its baseline."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    common = ["model=tiny", "probe.perplexity.enabled=true", "probe.perplexity.window=64",
+              "probe.perplexity.max_windows=2", "probe.latency.repeats=1", "probe.latency.new_tokens=2",
+              f"data_dir={SHARED_DATA}", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"]
+    assert run_cli(["-m", "scheme/weights=fp32,bf16", *common]).returncode == 0
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name("quantlab").experiment_id
+    bf16 = c.search_runs([exp], filter_string="attributes.run_name = 'bf16@cpu'")[0]
+    key = "recovery/ppl_token_wikitext2_w64_first2"
+    first = bf16.data.metrics[key]
+    assert first != 1.0  # against fp32
+    second = run_cli(["-m", "scheme/weights=bf16,int8", *common])
+    assert second.returncode == 0 and "| reused" in second.stdout
+    assert "bf16@cpu (baseline)" in second.stdout  # the reused run is this sweep's baseline ...
+    assert c.get_run(bf16.info.run_id).data.metrics[key] == first  # ... without overwriting its recovery
+    assert len(c.get_metric_history(bf16.info.run_id, key)) == 1
+
+
+@needs_data
+def test_boolq_local_says_how_it_differs_from_lm_eval(tmp_path):
+    """The source file has no passage title (SuperGLUE's passages, lm-eval's,
+    start with one): the task's YAML and evaluation/README.md must say so
+    rather than claim lm-eval's boolq."""
+    import json as _json
+
+    include, _ = accuracy.prepare_tasks(["boolq_local"], str(SHARED_DATA), str(tmp_path))
+    doc = _json.loads((include / "boolq.jsonl").read_text().splitlines()[0])
+    assert "title" not in doc
+    row = next(line for line in (accuracy.TEMPLATES / "README.md").read_text().splitlines()
+               if line.startswith("| `boolq_local`"))
+    assert "without the passage title" in row and "as lm-eval `boolq`" not in row
+    assert "no title field" in (accuracy.TEMPLATES / "boolq_local.yaml").read_text()

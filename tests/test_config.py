@@ -89,3 +89,25 @@ def test_a_run_starts_without_third_party_import_noise(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     for noise in ("Failed to load", "Detected no triton", "register_constant"):
         assert noise not in proc.stderr + proc.stdout
+
+
+def test_headline_sweep_holds_the_kv_point_and_accuracy_by_default():
+    """fp8_vs_int4 adds int4-g64 + INT8 KV off the grid and defaults to the
+    headline probe (accuracy + perplexity); a command-line probe= still wins."""
+    from hydra import compose, initialize_config_dir
+
+    from hydra_plugins.quantlab_sweeper import with_points
+    from quantlab.cli import CONF_DIR
+    from quantlab.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["+sweep=fp8_vs_int4"], return_hydra_config=True)
+        quick = compose("config", overrides=["+sweep=fp8_vs_int4", "probe=quick"])
+    assert cfg.hydra.sweeper._target_.endswith("QuantlabSweeper")
+    assert list(cfg.hydra.sweeper.points) == ["scheme/weights=int4-g64 scheme/kv=int8"]
+    assert cfg.probe.name == "headline" and cfg.probe.accuracy.enabled and cfg.probe.perplexity.enabled
+    assert quick.probe.name == "quick"
+    grid = [["scheme/weights=fp32", "probe=quick"], ["scheme/weights=int4-g64", "probe=quick"]]
+    jobs = with_points(grid, ["scheme/weights=int4-g64 scheme/kv=int8", "scheme/weights=fp32"])
+    assert jobs == [*grid, ["probe=quick", "scheme/weights=int4-g64", "scheme/kv=int8"]]  # fp32: already on the grid

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,7 @@ def test_corrupted_tensor_fails_round_trip_and_writes_nothing(store, tmp_path, m
         return fmt
 
     monkeypatch.setattr(export, "write_checkpoint", corrupt)
-    with pytest.raises(UserError, match="round trip failed: KL"):
+    with pytest.raises(UserError, match="round trip failed: reload vs the point.s dequantized weights: KL"):
         export.export_run(client, ids["int4-g32"], tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tmp-*"))
     assert client.get_run(ids["int4-g32"]).data.tags["export.round_trip"] == "failed"
@@ -126,3 +127,82 @@ def test_cli_errors_are_one_line(store, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("quantlab.export: no sweep 'nope'")
     assert export.main(["--tracking-uri", uri, "--run", ids["int8"]]) == 2
     assert "--out DIR is required" in capsys.readouterr().err
+    assert export.main(["--tracking-uri", uri, "--run", "0" * 32, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"quantlab.export: no run '{'0' * 32}' in {uri}"  # one line, no traceback
+    (tmp_path / "taken").mkdir()
+    assert export.main(["--tracking-uri", uri, "--run", ids["int8"], "--out", str(tmp_path / "taken")]) == 2
+    assert capsys.readouterr().err.strip().endswith("taken exists; pass --force to replace it")
+
+
+def test_export_copies_into_artifacts_only_when_registering(store, tmp_path, monkeypatch):
+    client, ids, _ = store
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    export.export_run(client, ids["int8"], tmp_path / "plain")
+    assert not client.list_artifacts(ids["int8"], "export")
+    assert list(scratch.iterdir()) == []  # no temp file left behind
+
+
+def test_export_by_sweep_and_budget_after_reuse(tmp_path):
+    """The second sweep reuses the float points of the first; its recommendation
+    is stored as a run id and `--sweep NAME --budget B` exports the run that
+    measured it. A budget with no recommendation lists those that have one."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, run_cli
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    store = [f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a", "probe.latency.repeats=1",
+             "probe.cache.enabled=false", "model=tiny"]
+    assert run_cli(["-m", "scheme/weights=fp32,bf16", "sweep_name=first", *store]).returncode == 0
+    second = run_cli(["-m", "scheme/weights=fp32,bf16,int8", "sweep_name=second", *store])
+    assert second.returncode == 0 and second.stdout.count("| reused") == 2
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("quantlab").experiment_id
+    parent = client.search_runs([exp], "tags.`quantlab.sweep` = 'second' and tags.`quantlab.role` = 'sweep'")[0]
+    chosen = client.get_run(parent.data.tags["recommended.0.05.run_id"])
+    assert chosen.info.run_name == parent.data.tags["recommended.0.05"]
+    cmd = [sys.executable, "-m", "quantlab.export", "--tracking-uri", uri, "--sweep", "second"]
+    ok = subprocess.run([*cmd, "--budget", "0.05", "--out", str(tmp_path / "best")], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    manifest = json.loads((tmp_path / "best" / "quantlab.json").read_text())
+    measured = chosen.data.tags.get("quantlab.reused_from", chosen.info.run_id)
+    assert manifest["source_run_id"] == measured
+    bad = subprocess.run([*cmd, "--budget", "0.02", "--out", str(tmp_path / "x")], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "budgets with one: 0.01, 0.05" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_an_export_that_lost_its_quantization_fails_the_round_trip(store, tmp_path, monkeypatch):
+    """Weights replaced by the float model's: the reload no longer equals the
+    point's dequantized weights, and nothing is written."""
+    client, ids, _ = store
+
+    def float_instead(model, tok, cfg, dest):
+        float_model, _ = export.models.load(cfg.model, cfg.cache_dir)
+        float_model.to(torch.bfloat16).save_pretrained(dest, safe_serialization=True)
+        tok.save_pretrained(dest)
+        return "hf-bfloat16"
+
+    monkeypatch.setattr(export, "write_checkpoint", float_instead)
+    # int4 (the tiny random model's int8 error is below the 1e-4 tolerance: there a
+    # float reload is as faithful as any)
+    with pytest.raises(UserError, match="round trip failed"):
+        export.export_run(client, ids["int4-g32"], tmp_path / "lost")
+    assert not (tmp_path / "lost").exists()
+
+
+def test_round_trip_verdict_needs_both_gates():
+    ok = {"kl_mean": 1e-6, "max_abs_diff": 1e-3, "kl_from_float": 4e-3}
+    assert export.round_trip_verdict(ok, point_from_float=4.4e-3)["passed"]
+    # equal to the point within tolerance, but as close to float as a float reload would be
+    lost = {**ok, "kl_from_float": 1e-5}
+    v = export.round_trip_verdict(lost, point_from_float=4.4e-3)
+    assert not v["passed"] and "is the float model" in v["why"]
+    far = {**ok, "kl_mean": 2e-3}
+    assert "dequantized weights" in export.round_trip_verdict(far, 4.4e-3)["why"]
+    assert export.round_trip_verdict({**ok, "kl_from_float": 0.0}, point_from_float=0.0)["passed"]  # float point

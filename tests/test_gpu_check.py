@@ -33,7 +33,8 @@ def test_dry_run_on_cpu_writes_report_and_store(tmp_path):
     by_sweep = {}
     for r in runs:
         by_sweep.setdefault(r.data.tags["quantlab.sweep"], []).append(r.data.tags["quantlab.outcome"])
-    assert by_sweep == {"launch_overhead": ["finished"] * 2, "fp8_vs_int4": ["finished"] * 2,
+    # fp8_vs_int4: the two weight schemes asked for plus the sweep's off-grid int4-g64 + INT8 KV point
+    assert by_sweep == {"launch_overhead": ["finished"] * 2, "fp8_vs_int4": ["finished"] * 3,
                         "kv": ["finished"] * 2}
     assert set(os.listdir(tmp_path)) <= {"mlflow.db", "gpu_report.md", "notes.txt", "launch_overhead.log",
                                          "fp8_vs_int4.log", "kv.log"}  # what the device tool brings back

@@ -197,7 +197,7 @@ def test_gptq_gguf_perplexity_in_a_fresh_process(tmp_path, model_args, tol):
     gguf_export.write(model, tok, tmp_path / "g.gguf", getattr(model, "quantlab_gguf", None))
     ids = tok(perplexity.wikitext2_text(str(SHARED_DATA))[:20000], add_special_tokens=False,
               return_tensors="pt")["input_ids"][0]
-    wins = perplexity.windows(ids, 256, 4)
+    wins, _ = perplexity.windows(ids, 256, 4)
     torch.save(wins, tmp_path / "w.pt")
     ours = perplexity.token_perplexity(TorchEngine(model), wins)["ppl_token_wikitext2_w256"]
     proc = subprocess.run([sys.executable, "-c", GPTQ_SCRIPT, str(tmp_path / "g.gguf"), str(tmp_path / "w.pt"),

@@ -18,7 +18,8 @@ def _runs(uri: str, status: str | None = None):
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("quantlab")
     runs = client.search_runs([exp.experiment_id], max_results=1000)
-    runs = [r for r in runs if r.data.tags.get("quantlab.role") != "sweep"]
+    runs = [r for r in runs if r.data.tags.get("quantlab.role") != "sweep"
+            and tracking.REUSED_FROM_TAG not in r.data.tags]  # measured runs, not light links
     return [r for r in runs if status is None or r.info.status == status]
 
 
@@ -37,6 +38,19 @@ def test_rerun_reuses_finished_points_and_force_reruns(tmp_path):
     assert second.returncode == 0
     assert second.stdout.count("| reused") == 3
     assert len(_runs(uri, "FINISHED")) == 3  # nothing re-ran, nothing duplicated
+    # ... yet the second sweep's parent shows all three points (light runs that
+    # link to the runs that measured them), and its tag filter finds them
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("quantlab").experiment_id
+    parents = client.search_runs([exp], "tags.`quantlab.role` = 'sweep'", order_by=["attributes.start_time DESC"])
+    own, light = tracking.sweep_runs(client, exp, parents[0].info.run_id)
+    measured = {r.info.run_id: r for r in _runs(uri)}
+    assert own == [] and sorted(r.info.run_name for r in light) == ["bf16@cpu", "fp32@cpu", "int8@cpu"]
+    for r in light:
+        first = measured[tracking.origin(r)]
+        assert r.data.tags[tracking.OUTCOME_TAG] == "reused" and r.info.run_name == first.info.run_name
+        assert r.data.metrics["fid/kl_mean"] == first.data.metrics["fid/kl_mean"]
+        assert tracking.HASH_TAG not in r.data.tags  # never found as a finished point itself
     assert run_cli([*SWEEP, *store, "force=true"]).returncode == 0
     assert len(_runs(uri, "FINISHED")) == 6
 
@@ -154,3 +168,48 @@ def test_two_joblib_workers_log_every_point_once(tmp_path):
     assert len(parents) == 1  # the workers inherited the sweep's parent run
     pids = {r.data.tags[tracking.PID_TAG] for r in finished}
     assert len(pids) == 2  # really two worker processes
+
+
+def test_timings_are_never_reused_from_another_host(tmp_path):
+    """Same config, code and data but another host (as on a shared tracking
+    server): points that time are re-measured; the summary names where a
+    reused point came from."""
+    uri, store = _store(tmp_path)
+    sweep = ["-m", "model=tiny", "scheme/weights=fp32,bf16", "probe.latency.repeats=1"]
+    assert run_cli([*sweep, *store]).returncode == 0
+    client = MlflowClient(tracking_uri=uri)
+    for r in _runs(uri):
+        tracking.set_tags(client, r.info.run_id, {tracking.HOST_ID_TAG: "elsewhere", "host.fingerprint": "Other CPU"})
+    again = run_cli([*sweep, *store])
+    assert again.returncode == 0 and again.stdout.count("| reused") == 0
+    assert len(_runs(uri, "FINISHED")) == 4
+    # without timings, the other host's accuracy/fidelity figures are reusable
+    no_lat = ["-m", "model=tiny", "scheme/weights=fp32", "probe.latency.enabled=false"]
+    assert run_cli([*no_lat, *store]).returncode == 0
+    for r in _runs(uri):
+        tracking.set_tags(client, r.info.run_id, {tracking.HOST_ID_TAG: "elsewhere", "host.fingerprint": "Other CPU"})
+    third = run_cli([*no_lat, *store])
+    assert third.returncode == 0 and third.stdout.count("| reused") == 1
+    assert "host Other CPU" in third.stdout
+
+
+def test_point_hash_covers_code_and_data_files(tmp_path, monkeypatch):
+    from quantlab import provenance
+    from quantlab.pipeline import point_hash
+    from tests.conftest import compose_cfg
+
+    data = tmp_path / "data" / "wikitext-2-raw"
+    data.mkdir(parents=True)
+    (data / "wiki.test.raw").write_text(" = A = \n text \n")
+    cfg = compose_cfg(["model=tiny", "probe=quick", f"data_dir={tmp_path / 'data'}"])
+    assert provenance.WIKITEXT in provenance.data_files(cfg) and "arc/arc_easy_test.jsonl" in provenance.data_files(cfg)
+    h0 = point_hash(cfg)
+    assert point_hash(cfg) == h0
+    (data / "wiki.test.raw").write_text(" = A = \n text! \n")  # one byte of the test set changed
+    h1 = point_hash(cfg)
+    assert h1 != h0
+    assert point_hash(compose_cfg(["model=tiny", "probe=quick", "data_dir=null"])) != h1  # no data: another point
+    monkeypatch.setattr(provenance, "code_version", lambda: "other")
+    assert point_hash(cfg) != h1
+    gptq = compose_cfg(["model=tiny", "scheme/weights=gptq-g64", "probe=smoke"])
+    assert provenance.data_files(gptq) == ["calibration/wiki.utf8"]

@@ -41,6 +41,10 @@ def test_children_carry_params_tags_metrics_and_config(smoke_sweep):
     assert t["emulated"] == "false" and t[tracking.SWEEP_TAG] == "smoke"
     assert t["version.torch"].startswith("2.") and t["host.cpu"] and t["git_commit"]
     assert len(t["point_hash"]) == 16
+    # what the UI's compare charts plot: the scheme and bits as params, the decision loss as a metric
+    assert p["scheme"] == "bf16" and p["bits_per_weight"] == "16.00" and "model.tiny.hidden_size" in p
+    assert m["decision/loss"] == pytest.approx(1 - m["fid/top1_agree"]) and m["decision/loss_upper"] >= m["decision/loss"]
+    assert t["decision.metric"] == "fid/top1_agree"
     for key in ("fid/kl_mean", "fid/top1_agree", "lat/ttft_ms_p50", "lat/prefill_ms_p50",
                 "lat/tpot_ms_p50", "lat/tpot_ms_p99", "tput/decode_tok_s", "mem/peak_rss_mb",
                 "size/weight_bytes"):
@@ -64,7 +68,13 @@ def test_fidelity_exact_for_fp32_small_for_half(smoke_sweep):
 
 def test_summary_table_printed_and_logged(smoke_sweep):
     proc, client, runs = smoke_sweep
-    assert "| fp32@cpu" in proc.stdout and "TPOT p50 ms" in proc.stdout
+    assert "| fp32@cpu (baseline)" in proc.stdout and "TPOT p50 ms" in proc.stdout
+    assert "Decision rule: loss on `fid/top1_agree`" in proc.stdout  # no data: agreement, with its bound
+    parent_id = next(r.info.run_id for r in runs if r.data.tags.get("quantlab.role") == "sweep")
+    assert "python -m quantlab.export --sweep smoke --budget 0.05 --out exports/smoke-0.05" in proc.stdout
+    assert f"as artifacts of the parent run {parent_id}" in proc.stdout and "Runs: fp32@cpu " in proc.stdout
+    child = next(r for r in runs if r.info.run_name == "bf16@cpu")
+    assert tracking.load_items(client, child.info.run_id) == {}  # smoke logs no per-item values
     parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
     assert {"report.md", "pareto.png", "pareto.html", "capabilities.md"} <= \
         {a.path for a in client.list_artifacts(parent.info.run_id)}
@@ -123,3 +133,45 @@ def test_recommended_point_tagged(smoke_sweep):
     chosen = tags["recommended.0.05"]
     child = next(r for r in runs if r.info.run_name == chosen)
     assert client.get_run(child.info.run_id).data.tags["quantlab.recommended.0.05"] == "true"
+
+
+def test_headline_sweep_without_data_dir_exits_0_with_every_family(tmp_path):
+    """A newcomer's `+sweep=fp8_vs_int4` without a data directory: every point
+    runs (GPTQ on the built-in text, tagged), accuracy and perplexity are
+    skipped with a tag, fidelity falls back to the built-in text, and the
+    report still decides (on top-1 agreement, with its bound)."""
+    uri = f"sqlite:///{tmp_path}/m.db"
+    proc = run_cli(["+sweep=fp8_vs_int4", "model=tiny", "data_dir=null", "probe.latency.repeats=1",
+                    "probe.latency.new_tokens=4", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/art"],
+                   timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    client = MlflowClient(tracking_uri=uri)
+    runs = {r.info.run_name: r for r in client.search_runs(
+        [client.get_experiment_by_name("quantlab").experiment_id], filter_string="tags.`quantlab.sweep` = 'fp8_vs_int4'")
+        if r.data.tags.get("quantlab.role") != "sweep"}
+    assert len(runs) == 10 and "int4-g64+kv8@cpu" in runs and "gptq4-g64@cpu" in runs
+    assert all(r.data.tags[tracking.OUTCOME_TAG] == "finished" for r in runs.values())
+    kv = runs["int4-g64+kv8@cpu"].data
+    assert kv.tags["probe.fidelity.corpus"] == "builtin" and "kvfid/kl_mean" in kv.metrics
+    assert "data_dir" in kv.tags["probe.accuracy.skipped"] and "data_dir" in kv.tags["probe.perplexity.skipped"]
+    assert "calibration.fallback" in runs["gptq4-g64@cpu"].data.tags
+    assert "Decision rule: loss on `fid/top1_agree`" in proc.stdout and "95% bound" in proc.stdout
+
+
+def test_params_of_other_model_sources_are_not_logged():
+    from quantlab.pipeline import run_params
+    from tests.conftest import compose_cfg
+
+    params = run_params(compose_cfg(["model=smollm2-135m", "scheme/weights=gptq-g64"]))
+    assert not any(k.startswith("model.tiny.") for k in params)
+    assert params["scheme"] == "gptq4-g64" and params["scheme.weights.group_size"] == "64"
+
+
+def test_close_points_get_stacked_labels():
+    from quantlab.pareto import Point
+    from quantlab.plots import OFFSETS, label_offsets
+
+    pts = [Point("bf16", 256.6, 0.0), Point("fp16", 256.6, 0.0), Point("fp32", 513.1, 0.0),
+           Point("int4-g64", 111.0, 0.30), Point("int4-g32", 117.3, 0.29)]
+    offs = label_offsets(pts)
+    assert offs[0] != offs[1] and offs[3] != offs[4] and offs[2] == OFFSETS[0]

@@ -11,11 +11,11 @@ import hashlib
 import json
 import logging
 import random
-import re
 from pathlib import Path
 
 from quantlab.config import AccuracyProbeConfig
 from quantlab.errors import UserError
+from quantlab.uncertainty import mean_stderr
 
 log = logging.getLogger("quantlab")
 
@@ -31,6 +31,11 @@ LOCAL_FILES = {
     "boolq_local": ["boolq/boolq_validation.jsonl"],
     "wikitext2_local": ["wikitext-2-raw/wiki.test.raw"],
 }
+
+
+# helper modules (under evaluation/) a task's YAML loads with !function
+HELPERS = {"wikitext2_local": ("preprocess_wikitext.py",)}
+FORMAT = 2  # version of the prepared JSONL; 2: wikitext pages as lm-eval's, not detokenized
 
 
 def local_tasks() -> list[str]:
@@ -52,25 +57,24 @@ def _piqa(d: Path) -> list[dict]:
     return [{**doc, "label": int(lab)} for doc, lab in zip(_jsonl(d / "piqa/valid.jsonl"), labels, strict=True)]
 
 
-def _detokenize(s: str) -> str:
-    """Undo WikiText's spaced tokenization (" @-@ ", " , ", "( x )")."""
-    for a, b in ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), (" : ", ": "), (" ; ", "; "),
-                 (" . ", ". "), (" ! ", "! "), (" ? ", "? "), (" , ", ", "), (" 's", "'s"),
-                 ("( ", "("), (" )", ")"), ("= = = =", "===="), ("= = =", "==="), ("= =", "==")):
-        s = s.replace(a, b)
-    return s
-
-
-def _wikitext_articles(d: Path) -> list[dict]:
-    lines = (d / "wikitext-2-raw/wiki.test.raw").read_text(encoding="utf-8").split("\n")[:-1]
-    title = re.compile(r"^ = [^=].* = $")
-    pages: list[list[str]] = []
+def _wikitext_pages(d: Path) -> list[dict]:
+    """The test file cut into articles as ``EleutherAI/wikitext_document_level``
+    (lm-eval's ``wikitext`` dataset) cuts it: a line that is a level-1 title
+    starts a page, lines are joined with newlines, nothing is detokenized or
+    stripped. lm-eval's own ``process_results`` counts words and bytes on this
+    original page and its own detokenizer makes the scored text (see the task
+    YAML), so word and byte perplexity mean what they mean in lm-eval."""
+    lines = (d / "wikitext-2-raw/wiki.test.raw").read_text(encoding="utf-8").split("\n")
+    pages, page = [], []
     for line in lines:
-        if title.match(line):
-            pages.append([])
-        if pages:
-            pages[-1].append(line)
-    return [{"page": _detokenize("\n".join(p).strip())} for p in pages]
+        flat = line.replace("= = =", "===").replace("= =", "==").strip()
+        if flat.startswith("= ") and flat.endswith(" ="):
+            if "\n".join(page).strip():
+                pages.append({"page": "\n".join(page)})
+            page = []
+        page.append(line)
+    pages.append({"page": "\n".join(page)})
+    return pages
 
 
 CONVERTERS = {
@@ -81,7 +85,7 @@ CONVERTERS = {
     "piqa_local": ("piqa", _piqa),
     "winogrande_local": ("winogrande", lambda d: _jsonl(d / "winogrande/winogrande_dev.jsonl")),
     "boolq_local": ("boolq", lambda d: _jsonl(d / "boolq/boolq_validation.jsonl")),
-    "wikitext2_local": ("wikitext2", _wikitext_articles),
+    "wikitext2_local": ("wikitext2", _wikitext_pages),
 }
 
 
@@ -99,7 +103,7 @@ def prepare_tasks(tasks: list[str], data_dir: str | None, cache_dir: str) -> tup
                 raise UserError(f"task {t} needs data_dir (or QUANTLAB_DATA_DIR) holding {f}")
             if not (root / f).is_file():
                 raise UserError(f"task {t}: expected {root / f}")
-    key = hashlib.sha256(json.dumps([str(root), sorted(local)]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([FORMAT, str(root), sorted(local)]).encode()).hexdigest()[:16]
     out = Path(cache_dir).expanduser() / "tasks" / key
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
@@ -114,6 +118,8 @@ def prepare_tasks(tasks: list[str], data_dir: str | None, cache_dir: str) -> tup
         counts[t] = sum(1 for _ in path.open(encoding="utf-8"))
         template = (TEMPLATES / f"{t}.yaml").read_text()
         (out / f"{t}.yaml").write_text(template.replace("{prepared}", str(out)))
+        for helper in HELPERS.get(t, ()):  # task code the YAML names with !function
+            (out / helper).write_text((TEMPLATES / helper).read_text())
     return out, counts
 
 
@@ -126,9 +132,11 @@ def sample_indices(n_docs: int, limit: int | None, seed: int, task: str) -> list
 
 
 def evaluate(engine, tokenizer, cfg: AccuracyProbeConfig, data_dir: str | None,
-             cache_dir: str, seed: int) -> tuple[dict[str, float], dict]:
+             cache_dir: str, seed: int) -> tuple[dict[str, float], dict, dict[str, list[float]]]:
     """Run the configured tasks on ``engine``; return flat metrics
-    (``acc/arc_easy_local``) and lm-eval's per-task results (for the JSON artifact)."""
+    (``acc/arc_easy_local`` and its ``acc_stderr/arc_easy_local``), lm-eval's
+    per-task results (for the JSON artifact) and the per-document scores
+    (``acc/arc_easy_local`` -> 0/1 per document, ``doc_ids/arc_easy_local``)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -143,10 +151,31 @@ def evaluate(engine, tokenizer, cfg: AccuracyProbeConfig, data_dir: str | None,
     else:  # hub tasks: lm-eval's own (first-N) limit; it cannot mix limit and samples
         samples, limit = {}, cfg.limit
     res = simple_evaluate(model=lm, tasks=list(cfg.tasks), samples=samples or None, limit=limit,
-                          task_manager=TaskManager(include_path=str(include)), log_samples=False,
+                          task_manager=TaskManager(include_path=str(include)), log_samples=True,
                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                           fewshot_random_seed=seed, bootstrap_iters=0)
-    return flatten_results(res["results"]), res["results"]
+    items = document_scores(res.get("samples", {}))
+    metrics = flatten_results(res["results"])
+    metrics.update({k.replace("/", "_stderr/", 1): mean_stderr(v) for k, v in items.items()
+                    if not k.startswith("doc_ids/")})
+    return metrics, res["results"], items
+
+
+def document_scores(samples: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """Per-document 0/1 scores from lm-eval's logged samples, in doc-id order:
+    ``{"acc/<task>": [...], "doc_ids/<task>": [...]}`` for every numeric metric
+    that scores one document (acc, acc_norm, exact_match; not corpus-level
+    perplexities, whose per-document values are tuples)."""
+    out: dict[str, list[float]] = {}
+    for task, rows in samples.items():
+        rows = sorted(rows, key=lambda r: r["doc_id"])
+        for metric in rows[0].get("metrics", []) if rows else []:
+            values = [r.get(metric) for r in rows]
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                out[f"{metric}/{task}"] = [float(v) for v in values]
+        if any(k.endswith(f"/{task}") for k in out):
+            out[f"doc_ids/{task}"] = [float(r["doc_id"]) for r in rows]
+    return out
 
 
 def flatten_results(results: dict) -> dict[str, float]:

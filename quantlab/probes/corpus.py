@@ -8,21 +8,32 @@ import torch
 
 from quantlab.errors import UserError
 
-CORPORA = ("builtin", "wikitext2")
+CORPORA = ("auto", "builtin", "wikitext2")
+WIKITEXT = ("wikitext-2-raw", "wiki.test.raw")
+
+
+def resolve(name: str, data_dir: str | None) -> str:
+    """``auto`` is ``wikitext2`` where the data directory holds it, else
+    ``builtin`` (so a fresh install without data still measures fidelity);
+    other names are returned as they are."""
+    if name != "auto":
+        return name
+    return "wikitext2" if data_dir and Path(data_dir).expanduser().joinpath(*WIKITEXT).is_file() else "builtin"
 
 
 def text(name: str, data_dir: str | None) -> str:
-    """The raw text of corpus ``name``.
+    """The raw text of corpus ``name`` (``auto``: see :func:`resolve`).
 
     ``builtin`` ships with quantlab (original prose, ~3.4 kB); ``wikitext2`` is
     the WikiText-2 raw test file under ``<data_dir>/wikitext-2-raw/``.
     """
+    name = resolve(name, data_dir)
     if name == "builtin":
         return resources.files("quantlab.probes").joinpath("builtin_text.txt").read_text()
     if name == "wikitext2":
         if not data_dir:
             raise UserError("corpus wikitext2 needs data_dir (or QUANTLAB_DATA_DIR)")
-        path = Path(data_dir).expanduser() / "wikitext-2-raw" / "wiki.test.raw"
+        path = Path(data_dir).expanduser().joinpath(*WIKITEXT)
         if not path.is_file():
             raise UserError(f"corpus wikitext2: expected {path}")
         return path.read_text()
@@ -35,6 +46,7 @@ def token_ids(tokenizer, corpus: str, n_tokens: int, data_dir: str | None = None
     The text is repeated when it is shorter than ``n_tokens`` so that any length
     can be asked for (latency probes need long prompts, not meaningful ones).
     """
+    corpus = resolve(corpus, data_dir)
     base = text(corpus, data_dir)
     if corpus != "builtin":
         base = base[: 16 * n_tokens]  # enough text for n_tokens; skip tokenizing 1 MB

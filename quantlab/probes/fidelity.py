@@ -1,4 +1,5 @@
-"""Fidelity against the reference model: KL divergence and top-1 agreement.
+"""Fidelity against the reference model: KL divergence, top-1 agreement and the
+perplexity ratio on the same tokens, each with its standard error.
 
 Needs no labels and is far more sensitive than perplexity (llama.cpp compares
 its quant types this way). Reference log-probs are computed once per (model,
@@ -17,6 +18,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from quantlab.uncertainty import mean_stderr
+
 log = logging.getLogger(__name__)
 
 
@@ -26,23 +29,42 @@ def logprobs(engine, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(engine.logits(ids)[0].float(), dim=-1).cpu()
 
 
-def compare(ref_logp: torch.Tensor, logp: torch.Tensor) -> dict[str, float]:
-    """KL(ref || point) per position (mean, P99, max) and top-1 agreement.
+def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor | None = None) -> dict[str, float]:
+    """llama.cpp-grade fidelity statistics of ``logp`` against ``ref_logp`` (``[T, V]``).
 
-    Identical inputs give exactly 0 KL and agreement 1.
+    Per position: KL(ref || point), summarised as mean (with its standard
+    error), median, P99, P99.9 and max; top-1 agreement ("same top p") with its
+    binomial standard error. With ``targets`` (the ``T - 1`` next tokens of the
+    text) also ln(PPL(point) / PPL(ref)) and the mean change of the probability
+    given to the actual next token (delta-p), each with its standard error, from
+    the per-token differences (paired, as llama.cpp's ``--kl-divergence``).
+    Identical inputs give exactly 0 KL, agreement 1 and a ratio of 0.
     """
     if ref_logp.shape != logp.shape:
         raise ValueError(f"reference {tuple(ref_logp.shape)} vs point {tuple(logp.shape)}")
     ref64, p64 = ref_logp.double(), logp.double()
     kl = (ref64.exp() * (ref64 - p64)).sum(-1).clamp_min(0.0).numpy()
-    agree = (ref_logp.argmax(-1) == logp.argmax(-1)).double().mean().item()
-    return {
+    same = (ref_logp.argmax(-1) == logp.argmax(-1)).double().numpy()
+    out = {
         "fid/kl_mean": float(kl.mean()),
+        "fid/kl_mean_stderr": mean_stderr(kl),
+        "fid/kl_median": float(np.median(kl)),
         "fid/kl_p99": float(np.percentile(kl, 99)),
+        "fid/kl_p999": float(np.percentile(kl, 99.9)),
         "fid/kl_max": float(kl.max()),
-        "fid/top1_agree": float(agree),
+        "fid/top1_agree": float(same.mean()),
+        "fid/top1_agree_stderr": mean_stderr(same),
         "fid/tokens": float(kl.size),
     }
+    if targets is not None:
+        if targets.numel() != kl.size - 1:
+            raise ValueError(f"{targets.numel()} targets for {kl.size} positions (need one fewer)")
+        idx = targets.reshape(-1, 1).long()
+        lr, lq = ref64[:-1].gather(-1, idx)[:, 0].numpy(), p64[:-1].gather(-1, idx)[:, 0].numpy()
+        dnll, dp = lr - lq, np.exp(lq) - np.exp(lr)
+        out.update({"fid/ln_ppl_ratio": float(dnll.mean()), "fid/ln_ppl_ratio_stderr": mean_stderr(dnll),
+                    "fid/dp_token_mean": float(dp.mean()), "fid/dp_token_mean_stderr": mean_stderr(dp)})
+    return out
 
 
 def reference(key: dict, ids: torch.Tensor, cache_dir: str, build: Callable[[], object]) -> torch.Tensor:

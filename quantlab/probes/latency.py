@@ -53,18 +53,35 @@ def cells(cfg: LatencyProbeConfig) -> list[tuple[int, int]]:
     return [primary, *(c for c in grid if c != primary)]
 
 
+def cell_prompt(tokenizer, prompt: str, prompt_tokens: int) -> str:
+    """The start of ``prompt`` that covers ``prompt_tokens`` tokens (one token
+    more, so retokenizing the cut text cannot come up short), so that a cell's
+    TTFT includes tokenizing its own prompt, not the longest cell's."""
+    if not getattr(tokenizer, "is_fast", False):  # offsets need a fast tokenizer
+        return prompt
+    offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    if len(offsets) <= prompt_tokens:
+        return prompt
+    return prompt[:offsets[prompt_tokens][1]]
+
+
 def measure_cell(engine, tokenizer, prompt: str, cfg: LatencyProbeConfig, batch: int,
-                 prompt_tokens: int) -> tuple[dict[str, float], list[RequestTiming]]:
-    """Warm-up, then requests until ``repeats`` and ``min_seconds`` are both met."""
+                 prompt_tokens: int, counter=None) -> tuple[dict[str, float], list[RequestTiming]]:
+    """Warm-up, then requests until ``repeats`` and ``min_seconds`` are both met.
+    With an energy ``counter`` (``probes.energy``), joules are read over the
+    timed requests only, never the warm-up, and divided by their tokens."""
     clock = engine.clock()
+    prompt = cell_prompt(tokenizer, prompt, prompt_tokens)
     for _ in range(cfg.warmup):
         run_request(engine, tokenizer, prompt, cfg, clock, batch, prompt_tokens)
     runs: list[RequestTiming] = []
     began = time.perf_counter()
+    e0 = counter.read() if counter else None
     with PeakRSS(cfg.rss_sample_hz) as rss:
         while len(runs) < cfg.max_repeats and (
                 len(runs) < cfg.repeats or time.perf_counter() - began < cfg.min_seconds):
             runs.append(run_request(engine, tokenizer, prompt, cfg, clock, batch, prompt_tokens))
+    joules = counter.delta(e0, counter.read()) if counter else None
     steps = [s for r in runs for s in r.step_ms]
     metrics = {
         **summarize("lat/ttft_ms", [r.ttft_ms for r in runs]),
@@ -79,13 +96,16 @@ def measure_cell(engine, tokenizer, prompt: str, cfg: LatencyProbeConfig, batch:
     total_ms = sum(r.e2e_ms for r in runs)
     metrics["tput/e2e_tok_s"] = batch * cfg.new_tokens * len(runs) * 1000.0 / total_ms
     metrics["tput/req_s"] = batch * len(runs) * 1000.0 / total_ms
+    if joules is not None:
+        metrics["energy/joules"] = joules
+        metrics["energy/tok_per_j"] = batch * cfg.new_tokens * len(runs) / joules if joules > 0 else 0.0
     return metrics, runs
 
 
-def measure(engine, tokenizer, prompt: str,
-            cfg: LatencyProbeConfig) -> tuple[dict[str, float], list[tuple[int, int, RequestTiming]]]:
+def measure(engine, tokenizer, prompt: str, cfg: LatencyProbeConfig,
+            counter=None) -> tuple[dict[str, float], list[tuple[int, int, RequestTiming]]]:
     """Every grid cell. The primary cell's metrics keep plain names
-    (``lat/tpot_ms_p50``); every cell also logs ``cell/b{B}_p{P}/<name>``.
+    (``lat/tpot_ms_p50``); every other cell logs ``cell/b{B}_p{P}/<name>``.
     ``prompt`` must tokenize to at least the longest prompt length."""
     need = max(p for _, p in cells(cfg))
     n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -96,12 +116,13 @@ def measure(engine, tokenizer, prompt: str,
                                  "lat/new_tokens": float(cfg.new_tokens)}
     raw: list[tuple[int, int, RequestTiming]] = []
     for i, (b, p) in enumerate(cells(cfg)):
-        cell, runs = measure_cell(engine, tokenizer, prompt, cfg, b, p)
+        cell, runs = measure_cell(engine, tokenizer, prompt, cfg, b, p, counter)
+        raw += [(b, p, r) for r in runs]
         if i == 0:
             metrics.update(cell)
+            continue
         metrics.update({f"cell/b{b}_p{p}/{k.split('/', 1)[1]}": v for k, v in cell.items()
-                        if k.endswith(("_p50", "_p99", "_tok_s", "req_s", "_mb"))})
-        raw += [(b, p, r) for r in runs]
+                        if k.endswith(("_p50", "_p99", "_tok_s", "req_s", "_mb", "_per_j"))})
     return metrics, raw
 
 

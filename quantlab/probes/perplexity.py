@@ -3,17 +3,21 @@
 This is the number GPTQ-style papers report: the test split's rows joined with
 "\\n\\n", tokenized once, cut into ``window``-token windows (the tail shorter
 than a window is dropped), each window scored on its own with no context from
-the previous one. Reported as ``ppl_token_wikitext2_w<window>``; not comparable
-to lm-eval's word-level ``word_perplexity/wikitext2_local``.
+the previous one. Reported as ``ppl_token_wikitext2_w<window>`` (``..._first<n>``
+when only the first n windows are scored); not comparable to lm-eval's
+word-level ``word_perplexity/wikitext2_local``. The per-token NLLs are kept so
+that two points can be compared paired, token by token.
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from quantlab.errors import UserError
+from quantlab.uncertainty import mean_stderr
 
 
 def wikitext2_text(data_dir: str | None) -> str:
@@ -28,26 +32,40 @@ def wikitext2_text(data_dir: str | None) -> str:
     return "\n\n".join(rows)
 
 
-def windows(ids: torch.Tensor, window: int, max_windows: int | None) -> torch.Tensor:
-    """``[n, window]`` non-overlapping windows from the start of ``ids: [T]``."""
-    n = ids.numel() // window
-    if max_windows is not None:
-        n = min(n, max_windows)
+def windows(ids: torch.Tensor, window: int, max_windows: int | None) -> tuple[torch.Tensor, int]:
+    """``([n, window]`` non-overlapping windows from the start of ``ids: [T]``,
+    how many whole windows the text has)."""
+    total = ids.numel() // window
+    n = total if max_windows is None else min(total, max_windows)
     if n == 0:
         raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of {window}")
-    return ids[: n * window].reshape(n, window)
+    return ids[: n * window].reshape(n, window), total
+
+
+def metric_name(window: int, n: int, total: int) -> str:
+    """``ppl_token_wikitext2_w2048`` over the whole text; ``..._first4`` over
+    its first 4 windows only (a different, noisier number)."""
+    return f"ppl_token_wikitext2_w{window}" + (f"_first{n}" if n < total else "")
 
 
 @torch.inference_mode()
-def token_perplexity(engine, wins: torch.Tensor) -> dict[str, float]:
-    """exp(mean NLL) over every predicted token of every window (window-1 per window)."""
-    nll, count = 0.0, 0
+def token_nll(engine, wins: torch.Tensor) -> np.ndarray:
+    """Negative log-likelihood ``[n, window - 1]`` of every predicted token."""
+    out = []
     for row in wins:
-        logits = engine.logits(row[None])[0, :-1].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        target = row[1:].to(logp.device)
-        nll -= logp.gather(-1, target[:, None]).sum().item()
-        count += target.numel()
-    window = wins.shape[1]
-    return {f"ppl_token_wikitext2_w{window}": math.exp(nll / count),
-            f"ppl_token_wikitext2_w{window}_windows": float(wins.shape[0])}
+        logp = torch.log_softmax(engine.logits(row[None])[0, :-1].float(), dim=-1)
+        out.append(-logp.gather(-1, row[1:].to(logp.device)[:, None])[:, 0].double().cpu().numpy())
+    return np.stack(out)
+
+
+def summary(nll: np.ndarray, name: str) -> dict[str, float]:
+    """Perplexity exp(mean NLL) over every predicted token, the standard error
+    of ln(PPL) (``<name>_ln_stderr``) and the window count."""
+    return {name: math.exp(float(nll.mean())), f"{name}_ln_stderr": mean_stderr(nll.ravel()),
+            f"{name}_windows": float(nll.shape[0])}
+
+
+def token_perplexity(engine, wins: torch.Tensor, total: int | None = None) -> dict[str, float]:
+    """:func:`summary` of :func:`token_nll`; ``total``: whole windows in the text."""
+    n, window = wins.shape
+    return summary(token_nll(engine, wins), metric_name(window, n, total or n))

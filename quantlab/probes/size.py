@@ -50,3 +50,15 @@ def weight_stats(model: torch.nn.Module, n_params: int) -> dict[str, float]:
         "size/params": float(total_numel),
         "size/bits_per_weight": 8.0 * total_bytes / max(total_numel, 1),
     }
+
+
+def embedding_unread_bytes(model: torch.nn.Module, batch: int) -> float:
+    """Bytes of the input embedding table a decode step does *not* read: all
+    but ``batch`` rows when the table is its own tensor, 0 when it is tied to
+    the LM head (which reads all of it every step)."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is emb:
+        return 0.0
+    table = tensor_bytes(emb)
+    return float(table - table * min(batch, emb.shape[0]) / emb.shape[0])

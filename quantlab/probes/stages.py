@@ -25,10 +25,10 @@ def _stage_modules(model) -> list[tuple[str, torch.nn.Module]]:
 
 
 def measure(engine, tokenizer, prompt: str, prompt_tokens: int, steps: int,
-            requests: int) -> tuple[dict[str, list[float]], list[float]]:
+            requests: int, batch: int = 1) -> tuple[dict[str, list[float]], list[float]]:
     """Per-stage samples (ms) over ``requests x steps`` decode steps of a
-    :class:`TorchEngine`, and the step totals they should add up to.
-    ``lm_head`` includes the argmax (stamped by the loop's ``choose``)."""
+    :class:`TorchEngine` at ``batch`` sequences, and the step totals they should
+    add up to. ``lm_head`` includes the argmax (stamped by the loop's ``choose``)."""
     clock = engine.clock()
     live: dict[str, list[float]] = defaultdict(list)  # the hooks write here
     start: dict[str, float] = {}
@@ -49,7 +49,8 @@ def measure(engine, tokenizer, prompt: str, prompt_tokens: int, steps: int,
     try:
         for _ in range(requests):
             t0 = clock.now_ms()
-            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"][:, :prompt_tokens]
+            ids = tokenizer([prompt] * batch, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            ids = ids[:, :prompt_tokens]
             kept["tokenizer"].append(clock.now_ms() - t0)
             live.clear()
             out = engine.decode(ids, steps + 1, clock, choose=choose)

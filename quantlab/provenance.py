@@ -1,0 +1,95 @@
+"""What a finished point's numbers depend on beyond its config: the code that
+measured them, the data files it read, and (for timings) the host.
+
+Reuse rules (``pipeline.run_point``): a point is reused only when its config,
+quantlab's code and the data files all match; when it times anything, the host
+fingerprint must match as well (latency measured on another machine, e.g. one
+sharing the tracking server, is never ranked beside this machine's).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from quantlab import hardware
+
+PACKAGE = Path(__file__).resolve().parent
+WIKITEXT = "wikitext-2-raw/wiki.test.raw"
+
+
+@functools.cache
+def code_version() -> str:
+    """sha256 (16 hex) over quantlab's Python sources: any change to a scheme,
+    probe, engine or the pipeline gives another version."""
+    h = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        h.update(str(path.relative_to(PACKAGE)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def host() -> str:
+    """Readable host fingerprint: CPU model, cores, torch threads, GPU and driver."""
+    gpu = hardware.cuda(0)
+    driver = ""
+    if gpu is not None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            driver = f" driver {pynvml.nvmlSystemGetDriverVersion()}"
+        except Exception:  # noqa: BLE001 - pynvml raises its own error types; the name still identifies the GPU
+            driver = ""
+    return (f"{hardware.cpu_name()} x{os.cpu_count()} cores, {torch.get_num_threads()} threads; "
+            f"gpu {gpu.name + driver if gpu else 'none'}")
+
+
+def host_id(text: str | None = None) -> str:
+    """Short hash of :func:`host` (a value MLflow can filter on)."""
+    return hashlib.sha256((text or host()).encode()).hexdigest()[:12]
+
+
+def data_files(cfg) -> list[str]:
+    """Paths (relative to the data directory) the point's probes and its
+    calibration read, as configured."""
+    from quantlab import calibration
+    from quantlab.probes.accuracy import LOCAL_FILES
+
+    p = cfg.probe
+    files: set[str] = set()
+    if (p.fidelity.enabled and p.fidelity.corpus != "builtin") or p.perplexity.enabled or \
+            (p.cache.enabled and p.cache.corpus != "builtin"):
+        files.add(WIKITEXT)
+    if p.accuracy.enabled:
+        files.update(f for t in p.accuracy.tasks for f in LOCAL_FILES.get(t, []))
+    if name := getattr(cfg.scheme.weights, "calibration", None):
+        files.update(calibration.files(name))
+    return sorted(files)
+
+
+@functools.cache
+def _sha(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_fingerprint(cfg) -> str:
+    """sha256 (16 hex) over the point's data files (a missing one counts as
+    missing, so a run without the data directory is never reused for one with it)."""
+    h = hashlib.sha256()
+    root = Path(cfg.data_dir).expanduser() if cfg.data_dir else None
+    for rel in data_files(cfg):
+        path = root / rel if root else None
+        if path is not None and path.is_file():
+            st = path.stat()
+            h.update(f"{rel}:{_sha(str(path), st.st_size, st.st_mtime_ns)}".encode())
+        else:
+            h.update(f"{rel}:missing".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,130 @@
+"""Error bars and paired tests against independent computations (scipy), and
+the decision rule that uses their pessimistic bound."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from quantlab import decision, report, tracking
+from quantlab.pareto import Point, fastest_within
+from quantlab.probes import fidelity
+from quantlab.uncertainty import mcnemar_p, mean_stderr, paired
+
+
+@given(st.integers(0, 40), st.integers(0, 40))
+def test_mcnemar_matches_scipy_binomial_test(b, c):
+    want = 1.0 if b + c == 0 else stats.binomtest(b, b + c, 0.5).pvalue
+    assert mcnemar_p(b, c) == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=50)
+@given(st.lists(st.floats(-5, 5), min_size=2, max_size=50))
+def test_mean_stderr_matches_scipy_sem(xs):
+    assert mean_stderr(xs) == pytest.approx(float(stats.sem(xs)), rel=1e-9, abs=1e-12)
+
+
+def test_paired_binary_counts_discordant_documents():
+    point = [1, 1, 0, 0, 1, 0, 1, 1]
+    base = [1, 0, 0, 1, 1, 1, 1, 0]  # point-only right: 2, base-only right: 2
+    p = paired(point, base, binary=True)
+    assert p.diff == 0.0 and p.p_value == 1.0 and not p.significant and p.n == 8
+    strong = paired([0] * 30, [1] * 30, binary=True)
+    assert strong.diff == -1.0 and strong.significant
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired([1, 0], [1], binary=True)
+
+
+def test_fidelity_ppl_ratio_and_delta_p_against_hand_computation():
+    torch.manual_seed(0)
+    ref = torch.log_softmax(torch.randn(9, 13), -1)
+    q = torch.log_softmax(ref + 0.3 * torch.randn(9, 13), -1)
+    targets = torch.randint(0, 13, (8,))
+    out = fidelity.compare(ref, q, targets)
+    nll_r = [-ref[t, targets[t]].item() for t in range(8)]
+    nll_q = [-q[t, targets[t]].item() for t in range(8)]
+    assert out["fid/ln_ppl_ratio"] == pytest.approx(math.log(math.exp(np.mean(nll_q)) / math.exp(np.mean(nll_r))))
+    assert out["fid/ln_ppl_ratio_stderr"] == pytest.approx(float(stats.sem(np.subtract(nll_r, nll_q))))
+    dp = [math.exp(-a) - math.exp(-b) for a, b in zip(nll_q, nll_r)]
+    assert out["fid/dp_token_mean"] == pytest.approx(np.mean(dp))
+    p = ref.double().exp()
+    kl = (p * (ref.double() - q.double())).sum(-1).numpy()
+    assert out["fid/kl_median"] == pytest.approx(float(np.median(kl)))
+    assert out["fid/kl_p999"] == pytest.approx(float(np.percentile(kl, 99.9)))
+    assert out["fid/kl_mean_stderr"] == pytest.approx(float(stats.sem(kl)))
+    same = fidelity.compare(ref, ref.clone(), targets)
+    assert same["fid/ln_ppl_ratio"] == 0.0 and same["fid/kl_mean_stderr"] == 0.0
+    with pytest.raises(ValueError, match="need one fewer"):
+        fidelity.compare(ref, q, targets[:5])
+
+
+def test_loss_upper_bound_from_paired_items():
+    rng = np.random.default_rng(0)
+    base_nll = rng.gamma(2.0, 1.5, 4000)
+    point_nll = base_nll + rng.normal(0.01, 0.2, 4000)
+    key = "ppl_token_wikitext2_w2048"
+    bm = {key: math.exp(base_nll.mean())}
+    pm = {key: math.exp(point_nll.mean())}
+    lo = decision.loss(key, pm, {key: list(point_nll)}, bm, {key: list(base_nll)})
+    d = point_nll - base_nll
+    assert lo.bounded and lo.value == pytest.approx(1 - math.exp(-d.mean()))
+    assert lo.upper == pytest.approx(1 - math.exp(-(d.mean() + 1.96 * stats.sem(d))))
+    assert lo.value == pytest.approx(1 - bm[key] / pm[key])  # same as the recovery definition
+    unbounded = decision.loss(key, pm, {}, bm, {})  # no items: estimate only
+    assert not unbounded.bounded and unbounded.upper == unbounded.value
+    acc_b, acc_p = [1] * 60 + [0] * 40, [1] * 55 + [0] * 45
+    am = decision.loss("recovery/acc/t", {"acc/t": 0.55}, {"acc/t": acc_p, "doc_ids/t": list(range(100))},
+                       {"acc/t": 0.60}, {"acc/t": acc_b, "doc_ids/t": list(range(100))})
+    assert am.value == pytest.approx(1 - 0.55 / 0.60) and am.upper > am.value
+    other_docs = decision.loss("acc/t", {"acc/t": 0.55}, {"acc/t": acc_p, "doc_ids/t": list(range(1, 101))},
+                               {"acc/t": 0.60}, {"acc/t": acc_b, "doc_ids/t": list(range(100))})
+    assert not other_docs.bounded  # not the same documents: never paired
+
+
+def test_budget_uses_the_pessimistic_bound_and_says_when_it_cannot_tell():
+    pts = [Point("bf16", 30, 0.0, loss_upper=0.0), Point("int8", 22, 0.004, loss_upper=0.007),
+           Point("int4", 15, 0.008, loss_upper=0.02)]
+    r = fastest_within(pts, 0.01)
+    assert r.point.name == "int8" and r.margin == pytest.approx(0.003)
+    assert [p.name for p in r.undecided] == ["int4"]  # estimate within 1 %, bound not
+    assert fastest_within(pts, 0.05).point.name == "int4" and not fastest_within(pts, 0.05).undecided
+
+
+def _run(name, bits, metrics, scheme=None):
+    return SimpleNamespace(info=SimpleNamespace(run_name=name, run_id=name),
+                           data=SimpleNamespace(metrics={"size/bits_per_weight": bits, **metrics},
+                                                tags={tracking.OUTCOME_TAG: "finished", "scheme": scheme or name}))
+
+
+def test_report_marks_non_significant_differences_and_names_the_rule():
+    docs = list(range(100))
+    base_items = {"acc/t": [1.0] * 60 + [0.0] * 40, "doc_ids/t": docs}
+    near = {"acc/t": [1.0] * 58 + [0.0] * 42, "doc_ids/t": docs}  # 2 documents differ: noise
+    far = {"acc/t": [1.0] * 20 + [0.0] * 80, "doc_ids/t": docs}  # 40 differ: real
+    runs = [_run("bf16", 16, {"acc/t": 0.60, "acc_stderr/t": 0.049, "lat/tpot_ms_p50": 30}),
+            _run("int8", 8, {"acc/t": 0.58, "acc_stderr/t": 0.05, "lat/tpot_ms_p50": 20}),
+            _run("int4", 4, {"acc/t": 0.20, "acc_stderr/t": 0.04, "lat/tpot_ms_p50": 10})]
+    items = {"bf16": base_items, "int8": near, "int4": far}
+    text = report.table(runs, base=runs[0], items=items)
+    row = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    assert "0.580±0.050 ~" in row["int8"] and "~" not in row["int4"] and "bf16 (baseline)" in row
+    assert "0.600±0.049" in row["bf16 (baseline)"]
+    body, recs = report.decide(runs, "acc/t", (0.05,), runs[0], items)
+    assert "95% upper bound" in body and "against bf16" in body
+    # int8's estimate (3.3 % loss) is within 5 %, its bound is not: nothing qualifies
+    # but bf16, and the report says it cannot tell about int8
+    assert recs[0.05].point.name == "bf16" and [p.name for p in recs[0.05].undecided] == ["int8"]
+    assert "cannot tell: int8" in body
+    assert "int8: acc/t: diff -0.0200" in report.paired_table(runs, runs[0], items)
+
+
+def test_auto_baseline_prefers_bf16_over_fp16_at_equal_bits():
+    runs = [_run("fp16@cpu", 16, {}, "fp16"), _run("bf16@cpu", 16, {}, "bf16"), _run("int8@cpu", 8, {}, "int8")]
+    assert report.baseline_run(runs).info.run_name == "bf16@cpu"
+    assert report.baseline_run(list(reversed(runs))).info.run_name == "bf16@cpu"
