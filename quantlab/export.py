@@ -4,452 +4,180 @@
     python -m quantlab.export --run RUN_ID --format gguf --out exports/int4.gguf
     python -m quantlab.export --sweep fp8_vs_int4 --budget 0.01 --out exports/best --register smollm2-best
 
-The point is rebuilt from the run's logged ``config.yaml`` (same quantizer,
-same integers), then written as:
-
-* float schemes: plain safetensors in the scheme's dtype;
-* int8 / int4 RTN / GPTQ / FP8: compressed-tensors (the format vLLM loads,
-  and transformers decompresses on load): int8 per channel and asymmetric int4
-  as ``int-quantized``, symmetric int4 as ``pack-quantized``, FP8 as
-  ``float-quantized``. (Asymmetric ``pack-quantized`` zero points do not reload
-  in transformers 5.24: a shape mismatch on ``weight_zero_point``.)
-
-Then a fresh process reloads the directory (safetensors only, no remote code)
-and compares its logits and greedy text with the in-memory point; the export is
-renamed into place only when that round trip is within tolerance.
+This module is the command line: it checks ``--out``, the run (or the sweep's
+recommendation for the budget) and whether the point's scheme has the format,
+with the standard library only where the store is a local SQLite file, so that
+bad input fails in one line within a second or two, before torch, MLflow or the
+model load. The work itself (rebuild, write, round trip) is
+``quantlab.checkpoint``.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import json
 import logging
-import os
-import shutil
-import subprocess
+import sqlite3
 import sys
-import tempfile
-import time
 from pathlib import Path
+from typing import Protocol
 
-import torch
-import yaml
-from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
-
-from quantlab import hardware, models, tracking
-from quantlab.config import RunConfig, TrackingConfig, register_configs
-from quantlab.digest import sha256_file
 from quantlab.errors import UserError
-from quantlab.probes import corpus
-from quantlab.schemes import registry
-from quantlab.schemes.qlinear import FP8Linear, Int4Linear, Int8Linear
 
-log = logging.getLogger("quantlab")
-
-# The round trip compares the reload with a dense model holding the point's own
-# dequantized weights in the checkpoint's dtype (same arithmetic as the reload):
-# mean KL over the check tokens must be at most KL_TOLERANCE. (Against the
-# packed-kernel point itself the kernels alone differ by ~1.7e-3 on SmolLM2's
-# int8, about as much as int8 quantization costs, so that could not tell a
-# reload that lost its quantization.) And the reload must stay as far from the
-# float model as the point is: KL(float || reload) >= QUANTIZED_SHARE x
-# KL(float || dense point).
-# The second check applies once the point is measurably away from float
-# (FLOAT_NOISE: a faithful reload of the tiny test model differs from its dense
-# twin by ~2e-7, bf16 run to run).
-KL_TOLERANCE = 1e-4
-QUANTIZED_SHARE = 0.5
-FLOAT_NOISE = 1e-6
-CHECK_TOKENS = 64
-GREEDY_TOKENS = 16
+FORMATS = ("checkpoint", "gguf")
+SWEEP_TAG, ROLE_TAG, REUSED_FROM_TAG = "quantlab.sweep", "quantlab.role", "quantlab.reused_from"
 
 
-def config_from_dict(d: dict) -> RunConfig:
-    """Inverse of ``pipeline.config_dict``: polymorphic slots by their type name."""
-    from quantlab.config import (CPUTargetConfig, CUDATargetConfig, ModelConfig, NeuronTargetConfig,
-                                 ProbeConfig, SchemeConfig)
-
-    register_configs()
-    types = {t.__name__: t for t in (*registry.weight_schemas().values(), *registry.kv_schemas().values(),
-                                     CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig)}
-
-    def poly(node: dict):
-        node = dict(node)
-        return types[node.pop("type")](**node)
-
-    def typed(cls, node: dict):
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
-
-    rest = {k: v for k, v in d.items() if k not in ("model", "scheme", "target", "probe", "tracking")}
-    return RunConfig(model=typed(ModelConfig, d["model"]),
-                     scheme=SchemeConfig(weights=poly(d["scheme"]["weights"]), kv=poly(d["scheme"]["kv"])),
-                     target=poly(d["target"]), probe=typed(ProbeConfig, d["probe"]),
-                     tracking=typed(TrackingConfig, d["tracking"]), **rest)
+def exportable_tag(fmt: str) -> str:
+    """The tag a point carries for ``fmt``: the format it exports as
+    (``compressed-tensors/pack-quantized``, ``gguf/Q4_1``...) or ``no: <why>``."""
+    return f"exportable.{fmt}"
 
 
-def rebuild(cfg: RunConfig):
-    """The point's model on CPU, quantized exactly as the sweep did."""
-    model, tok = models.load(cfg.model, cfg.cache_dir)
-    ctx = registry.ApplyContext(hw=hardware.cpu(), tokenizer=tok, cache_dir=cfg.cache_dir,
-                                data_dir=cfg.data_dir, seed=cfg.seed)
-    w = cfg.scheme.weights
-    registry.weights_handler(w).apply(model, w, ctx)
-    return model.eval(), tok
+class Store(Protocol):
+    """What the checks read: a run's tags (None: no such run) and a sweep's parent runs."""
+
+    def tags(self, run_id: str) -> dict[str, str] | None: ...
+
+    def sweeps(self) -> list[tuple[str, dict[str, str]]]: ...
 
 
-def _ct_config(model, spec: dict):
-    """compressed-tensors QuantizationConfig (the scheme's ``checkpoint`` mapping)
-    over the quantized modules of ``model``."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+class SqliteStore:
+    """A local ``sqlite:///`` MLflow store read with :mod:`sqlite3` (no MLflow
+    import: ~1 s saved); its tables as MLflow 3 writes them."""
 
-    targets = sorted({n for n, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear, FP8Linear))})
-    scheme = QuantizationScheme(targets=targets, weights=QuantizationArgs(**spec["args"]))
-    return QuantizationConfig(config_groups={"group_0": scheme}, format=spec["format"], quantization_status="frozen")
+    def __init__(self, path: Path, experiment: str):
+        if not path.is_file():
+            raise UserError(f"no tracking store at {path} (run a sweep first, or pass --tracking-uri)")
+        self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        row = self.db.execute("SELECT experiment_id FROM experiments WHERE name = ? AND lifecycle_stage = 'active'",
+                              (experiment,)).fetchone()
+        if row is None:
+            raise UserError(f"no experiment {experiment!r} in {path}")
+        self.experiment_id = str(row[0])
 
+    def tags(self, run_id: str) -> dict[str, str] | None:
+        if self.db.execute("SELECT 1 FROM runs WHERE run_uuid = ? AND lifecycle_stage = 'active'",
+                           (run_id,)).fetchone() is None:
+            return None
+        return dict(self.db.execute("SELECT key, value FROM tags WHERE run_uuid = ?", (run_id,)).fetchall())
 
-def checkpoint_mapping(w) -> dict:
-    """The scheme's checkpoint format, or one line saying it has none."""
-    m = registry.weights_handler(w).mapping("checkpoint", w)
-    if not m.ok:
-        raise UserError(f"export of {w.short_name()} is not supported ({m.reason}; bitsandbytes NF4/FP4 "
-                        "points cannot be rebuilt into a loadable checkpoint yet)")
-    return m.spec
-
-
-def dequantized(mod) -> torch.Tensor:
-    """The fp32 weight a quantized linear stands for, from its own integers
-    (``(q - zero_point) * scale`` per group; FP8: value * scale)."""
-    if isinstance(mod, FP8Linear):
-        return mod.dequantize()
-    q, scale, zp = mod.int_weights()
-    n, k = q.shape
-    groups = scale.shape[1]
-    zp_full = torch.zeros_like(scale) if zp is None else zp
-    return ((q.reshape(n, groups, k // groups) - zp_full[..., None]) * scale[..., None]).reshape(n, k)
+    def sweeps(self) -> list[tuple[str, dict[str, str]]]:
+        ids = [r[0] for r in self.db.execute(
+            "SELECT r.run_uuid FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid WHERE r.experiment_id = ? "
+            "AND r.lifecycle_stage = 'active' AND t.key = ? AND t.value = 'sweep' ORDER BY r.start_time DESC",
+            (self.experiment_id, ROLE_TAG))]
+        return [(i, self.tags(i) or {}) for i in ids]
 
 
-def dense_twins(model, cfg: RunConfig, dtype: torch.dtype):
-    """``(float model, dense model holding the point's dequantized weights)``,
-    both in ``dtype`` (the checkpoint's): what a faithful reload must equal,
-    and what a reload that lost the quantization would equal instead."""
-    float_model, _ = models.load(cfg.model, cfg.cache_dir)
-    dense, _ = models.load(cfg.model, cfg.cache_dir)
-    state = {k: v.float() for k, v in model.state_dict().items() if k in dense.state_dict()}
-    dense.load_state_dict(state, strict=False)  # non-quantized parameters as the point holds them
-    for name, mod in model.named_modules():
-        if isinstance(mod, (Int4Linear, Int8Linear, FP8Linear)):
-            dense.get_submodule(name).weight.data = dequantized(mod)
-    return float_model.to(dtype).eval(), dense.to(dtype).eval()
+class MlflowStore:
+    """Any other tracking URI (a server, a file store), through MLflow."""
+
+    def __init__(self, client, experiment_id: str):
+        self.client, self.experiment_id = client, experiment_id
+
+    def tags(self, run_id: str) -> dict[str, str] | None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return dict(self.client.get_run(run_id).data.tags)
+        except MlflowException:
+            return None
+
+    def sweeps(self) -> list[tuple[str, dict[str, str]]]:
+        runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{ROLE_TAG}` = 'sweep'",
+                                       order_by=["attributes.start_time DESC"], max_results=1000)
+        return [(r.info.run_id, dict(r.data.tags)) for r in runs]
 
 
-def write_checkpoint(model, tok, cfg: RunConfig, dest: Path) -> str:
-    """Write ``model`` (a rebuilt point) to ``dest``; returns the format name."""
-    w = cfg.scheme.weights
-    spec = checkpoint_mapping(w)
-    if spec["format"] == "hf":
-        model.save_pretrained(dest, safe_serialization=True)
-        tok.save_pretrained(dest)
-        return f"hf-{spec['dtype']}"
-    fmt = spec["format"]
-    qcfg = _ct_config(model, spec)
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import apply_quantization_config
+def open_store(uri: str, experiment: str) -> Store:
+    if uri.startswith("sqlite:///"):
+        try:
+            return SqliteStore(Path(uri[len("sqlite:///"):]), experiment)
+        except sqlite3.Error:  # not the schema we read: the slower, general path
+            pass
+    from quantlab import tracking
+    from quantlab.config import TrackingConfig
 
-    dtype = getattr(torch, getattr(w, "compute_dtype", "bfloat16"))
-    # Compress in fp32 so that compressed-tensors re-derives exactly our integers
-    # (w = (q - zp) * s is exact in fp32, not in bf16); cast afterwards.
-    dense, _ = models.load(cfg.model, cfg.cache_dir)
-    dense.load_state_dict({k: v.float() for k, v in model.state_dict().items() if k in dense.state_dict()},
-                          strict=False)  # non-quantized parameters exactly as the point holds them
-    apply_quantization_config(dense, qcfg)
-    for name, mod in model.named_modules():
-        if not isinstance(mod, (Int4Linear, Int8Linear, FP8Linear)):
-            continue
-        target = dense.get_submodule(name)
-        if isinstance(mod, FP8Linear):
-            target.weight.data = mod.dequantize().to(target.weight.dtype)
-            target.weight_scale.data = mod.scale[:, None].to(target.weight_scale.dtype)
-            continue
-        q, scale, zp = mod.int_weights()
-        target.weight.data = dequantized(mod).to(target.weight.dtype)
-        target.weight_scale.data = scale.to(target.weight_scale.dtype)
-        if zp is not None and hasattr(target, "weight_zero_point"):
-            target.weight_zero_point.data = (zp - 8).to(target.weight_zero_point.dtype)  # ct int4: -8..7
-    with _one_line_format_warnings(fmt):
-        compressor = ModelCompressor.from_pretrained_model(dense, quantization_format=fmt)
-        compressor.compress_model(dense)
-    for name, p in dense.named_parameters():  # scales stay fp32: exact, and small
-        if p.is_floating_point() and not name.endswith(("weight_scale", "weight_zero_point")) \
-                and p.dtype == torch.float32:
-            p.data = p.data.to(dtype)
-    dense.config.dtype = dtype
-    dense.save_pretrained(dest, safe_serialization=True)
-    compressor.update_config(str(dest))
-    tok.save_pretrained(dest)
-    return f"compressed-tensors/{fmt}"
+    client, exp = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
+    return MlflowStore(client, exp)
 
 
-@contextlib.contextmanager
-def _one_line_format_warnings(fmt: str):
-    """compressed-tensors warns (loguru) per module that the format we choose is
-    not the one it infers; asymmetric int4 is written ``int-quantized`` on
-    purpose (see the module docstring): one line instead of hundreds."""
-    from loguru import logger as loguru_logger
-
-    loguru_logger.disable("compressed_tensors")
-    try:
-        yield
-    finally:
-        loguru_logger.enable("compressed_tensors")
-    log.info("export: compressed-tensors' format warnings silenced (%s chosen on purpose)", fmt)
-
-
-def check_input(tok) -> torch.Tensor:
-    return corpus.token_ids(tok, "builtin", CHECK_TOKENS)
-
-
-@torch.inference_mode()
-def logits_and_greedy(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model(input_ids=ids, use_cache=False).logits[0].float()
-    greedy = model.generate(ids[:, :16], max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
-                            do_sample=False)[0, 16:]
-    return logits, greedy
+def resolve(store: Store, run: str | None, sweep: str | None, budget: float, fmt: str) -> str:
+    """The id of the run that measured the point to export: ``run``, or the
+    point ``sweep`` recommended within ``budget`` (followed to the run that
+    measured it when the sweep reused it). Refuses, in one line, an unknown
+    run or sweep, a budget without a recommendation (listing those with one)
+    and a point whose scheme has no ``fmt`` representation."""
+    if not run and not sweep:
+        raise UserError("give --run RUN_ID or --sweep NAME")
+    run_id = run or _recommended(store, sweep, budget)
+    tags = store.tags(run_id)
+    if tags is None:
+        raise UserError(f"no run {run_id!r} in this store" if run else
+                        f"sweep {sweep!r} recommends run {run_id}, which is no longer in this store")
+    if REUSED_FROM_TAG in tags:  # a light run of a sweep that reused the point: the run that measured it
+        run_id = tags[REUSED_FROM_TAG]
+        tags = store.tags(run_id) or tags
+    verdict = tags.get(exportable_tag(fmt), "")
+    if verdict.startswith("no: "):
+        raise UserError(f"{fmt} export of {tags.get('scheme', run_id)} is not supported ({verdict[4:]})")
+    return run_id
 
 
-def verify_in_fresh_process(dest: Path, reference: Path, trust_remote_code: bool = False) -> dict:
-    """Reload ``dest`` in a new interpreter; compare with the saved reference."""
-    cmd = [sys.executable, "-m", "quantlab.export", "--verify", str(dest), "--reference", str(reference)]
-    if trust_remote_code:
-        cmd.append("--trust-remote-code")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"round trip: reloading {dest.name} failed: {tail}")
-    return json.loads(lines[-1])
-
-
-def _verify_main(dest: str, reference: str, trust_remote_code: bool) -> int:
-    from transformers import AutoModelForCausalLM
-
-    ref = load_file(reference)
-    model = AutoModelForCausalLM.from_pretrained(dest, use_safetensors=True,
-                                                 trust_remote_code=trust_remote_code).eval()
-    logits, greedy = logits_and_greedy(model, ref["ids"])
-    kl = kl_per_token(ref["logits"], logits)
-    out = {"max_abs_diff": float((logits - ref["logits"]).abs().max()),
-           "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-           "top1_agree": float((logits.argmax(-1) == ref["logits"].argmax(-1)).double().mean()),
-           "greedy_match": bool(torch.equal(greedy, ref["greedy"]))}
-    if "float_logits" in ref:
-        out["kl_from_float"] = float(kl_per_token(ref["float_logits"], logits).mean())
-    print(json.dumps(out))
-    return 0
-
-
-def kl_per_token(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    p, q = torch.log_softmax(ref_logits.double(), -1), torch.log_softmax(logits.double(), -1)
-    return (p.exp() * (p - q)).sum(-1)
-
-
-def reload_dtype(cfg: RunConfig) -> torch.dtype:
-    """The dtype the checkpoint declares (what transformers reloads it in)."""
-    w = cfg.scheme.weights
-    return getattr(torch, getattr(w, "compute_dtype", None) or getattr(w, "dtype", None) or "bfloat16")
-
-
-def round_trip_verdict(check: dict, point_from_float: float, tolerance: float = KL_TOLERANCE) -> dict:
-    """Pass when the reload equals the dense point (KL <= ``tolerance``) and is
-    still as far from the float model as the point (a share of
-    ``point_from_float``); ``why`` says which failed."""
-    out = {"tolerance_kl_mean": tolerance, "point_kl_from_float": point_from_float}
-    if check["kl_mean"] > tolerance:
-        return {**out, "passed": False, "why": f"reload vs the point's dequantized weights: KL "
-                f"{check['kl_mean']:.3e} > {tolerance:g} (max |diff| {check['max_abs_diff']:.3g})"}
-    floor = QUANTIZED_SHARE * point_from_float
-    if point_from_float > FLOAT_NOISE and check.get("kl_from_float", 0.0) < floor:
-        return {**out, "passed": False, "why": f"the reload is the float model, not the point: KL from float "
-                f"{check.get('kl_from_float', 0.0):.3e} < {floor:.3e} (the point's {point_from_float:.3e})"}
-    return {**out, "passed": True, "why": ""}
-
-
-def export_run(client, run_id: str, out: Path, force: bool = False, register: str | None = None,
-               tolerance: float = KL_TOLERANCE) -> dict:
-    """Rebuild, write, verify, rename into place, log and (optionally) register."""
-    if out.exists() and not force:
-        raise UserError(f"{out} exists; pass --force to replace it")
-    run = client.get_run(run_id)
-    cfg = _run_config(client, run_id)
-    checkpoint_mapping(cfg.scheme.weights)  # refuse a scheme without a format before rebuilding it
-    log.info("export: rebuilding %s from run %s", run.info.run_name, run_id)
-    model, tok = rebuild(cfg)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        fmt = write_checkpoint(model, tok, cfg, tmp)
-        ids = check_input(tok)
-        _, greedy = logits_and_greedy(model, ids)  # the point's own text, compared for information
-        float_model, dense = dense_twins(model, cfg, reload_dtype(cfg))
-        logits = logits_and_greedy(dense, ids)[0]
-        float_logits = logits_and_greedy(float_model, ids)[0]
-        point_from_float = float(kl_per_token(float_logits, logits).mean())
-        del float_model, dense
-        with tempfile.TemporaryDirectory() as ref_dir:
-            ref_file = Path(ref_dir) / "reference.safetensors"
-            save_file({"ids": ids, "logits": logits.contiguous(), "greedy": greedy,
-                       "float_logits": float_logits.contiguous()}, ref_file)
-            check = verify_in_fresh_process(tmp, ref_file)
-        check.update(round_trip_verdict(check, point_from_float, tolerance))
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        manifest = {"source_run_id": run_id, "run_name": run.info.run_name, "format": fmt,
-                    "scheme": cfg.scheme.weights.to_dict(), "model": dataclasses.asdict(cfg.model),
-                    "metrics": run.data.metrics, "versions": tracking.versions(
-                        ("torch", "transformers", "compressed-tensors", "torchao", "quantlab")),
-                    "round_trip": check, "files_sha256": files,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        (tmp / "quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
-        tags = {"export.format": fmt, "export.round_trip": "passed" if check["passed"] else "failed",
-                "export.kl_mean": f"{check['kl_mean']:.3e}", "export.greedy_match": str(check["greedy_match"])}
-        tracking.set_tags(client, run_id, tags)
-        if not check["passed"]:
-            raise UserError(f"round trip failed: {check['why']}; nothing written to {out}")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if register:  # the registry's version points at a copy in the run's artifacts
-        log.info("export: copying %s into run %s's artifacts (export/) for the registry", out, run_id)
-        client.log_artifacts(run_id, str(out), artifact_path="export")
-        _register(client, register, run, fmt)
-    log.info("export: %s written (%s), round trip KL %.2e, greedy text %s", out, fmt, check["kl_mean"],
-             "identical" if check["greedy_match"] else "DIFFERENT")
-    return manifest
-
-
-def _run_config(client, run_id: str) -> RunConfig:
-    with tempfile.TemporaryDirectory() as d:
-        return config_from_dict(yaml.safe_load(Path(client.download_artifacts(run_id, "config.yaml", d)).read_text()))
-
-
-def export_gguf(client, run_id: str, out: Path, force: bool = False) -> dict:
-    """The point as one GGUF file (its own integers; see ``quantlab.gguf_export``),
-    kept only when llama.cpp reproduces the point (``gguf_export.round_trip``);
-    a ``<out>.quantlab.json`` manifest beside it."""
-    from quantlab import gguf_export
-
-    if out.exists() and not force:
-        raise UserError(f"{out} exists; pass --force to replace it")
-    cfg = _run_config(client, run_id)
-    w = cfg.scheme.weights
-    mapping = registry.weights_handler(w).mapping("gguf", w)
-    if not mapping.ok:
-        raise UserError(f"GGUF export of {w.short_name()}: {mapping.reason}")
-    log.info("export: rebuilding %s from run %s for GGUF (%s)", w.short_name(), run_id, mapping.spec["type"])
-    model, tok = rebuild(cfg)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        counts = gguf_export.write(model, tok, tmp, getattr(model, "quantlab_gguf", None), name=w.short_name())
-        check = gguf_export.round_trip(tmp, model, check_input(tok), mapping.spec["type"])
-        tracking.set_tags(client, run_id, {"export.gguf.round_trip": "passed" if check["passed"] else "failed",
-                                           "export.gguf.kl_mean": f"{check['kl_mean']:.3e}"})
-        if not check["passed"]:
-            raise UserError(f"GGUF round trip failed: KL {check['kl_mean']:.3e} (tolerance "
-                            f"{check['tolerance_kl_mean']:g}), tensor types {check['tensor_types']} "
-                            f"(expected {check['expected_type']}); nothing written to {out}")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    manifest = {"source_run_id": run_id, "format": f"gguf/{mapping.spec['type']}", "tensor_types": counts,
-                "scheme": w.to_dict(), "round_trip": check, "sha256": sha256_file(out),
-                "versions": tracking.versions(("torch", "transformers", "gguf", "llama_cpp_python", "quantlab"))}
-    out.with_name(out.name + ".quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
-    log.info("export: %s written (%s), llama.cpp round trip KL %.2e, top-1 %.3f", out,
-             ", ".join(f"{v} {k}" for k, v in counts.items()), check["kl_mean"], check["top1_agree"])
-    return manifest
-
-
-def _register(client, name: str, run, fmt: str) -> None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.create_registered_model(name)
-    except MlflowException as e:
-        if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
-            raise
-    keys = ("fid/kl_mean", "lat/tpot_ms_p50", "size/weight_mb", "size/bits_per_weight")
-    tags = {k: f"{run.data.metrics[k]:.4g}" for k in keys if k in run.data.metrics}
-    tags.update({"format": fmt, "scheme": run.data.tags.get("scheme", "?")})
-    source = f"{run.info.artifact_uri}/export"
-    client.create_model_version(name, source, run_id=run.info.run_id, tags=tags)
+def _recommended(store: Store, sweep: str, budget: float) -> str:
+    sweeps = store.sweeps()
+    for run_id, tags in sweeps:
+        if sweep in ("latest", run_id, tags.get(SWEEP_TAG)):
+            break
+    else:
+        names = sorted({t.get(SWEEP_TAG, "?") for _, t in sweeps})
+        raise UserError(f"no sweep {sweep!r} in this store; sweeps: {', '.join(names) or 'none'} (or a parent run id)")
+    chosen = tags.get(f"recommended.{budget:g}.run_id")
+    if not chosen:
+        budgets = sorted(k.split(".", 1)[1].removesuffix(".run_id") for k in tags
+                         if k.startswith("recommended.") and k.endswith(".run_id"))
+        raise UserError(f"sweep {sweep!r} has no recommendation for budget {budget:g}; "
+                        f"budgets with one: {', '.join(budgets) or 'none'} "
+                        f"(python -m quantlab.report --sweep {sweep} --budgets {budget:g} makes one)")
+    return chosen
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m quantlab.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", help="MLflow run id of the point")
-    ap.add_argument("--sweep", help="sweep name or parent run id: export its recommended point")
+    ap.add_argument("--sweep", help="sweep name, latest, or parent run id: export its recommended point")
     ap.add_argument("--budget", type=float, default=0.01, help="with --sweep: which recommendation")
     ap.add_argument("--out", help="directory (or .gguf file with --format gguf) to write; must not exist "
                                   "unless --force")
-    ap.add_argument("--format", choices=("checkpoint", "gguf"), default="checkpoint",
+    ap.add_argument("--format", choices=FORMATS, default="checkpoint",
                     help="checkpoint: compressed-tensors / safetensors directory; gguf: one llama.cpp file")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--register", help="register the export in the MLflow Model Registry under this name "
                                        "(copies the checkpoint into the run's artifacts, export/)")
     ap.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
     ap.add_argument("--experiment", default="quantlab")
-    ap.add_argument("--verify", help=argparse.SUPPRESS)
-    ap.add_argument("--reference", help=argparse.SUPPRESS)
-    ap.add_argument("--trust-remote-code", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.verify:
-        return _verify_main(args.verify, args.reference, args.trust_remote_code)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
-    from mlflow.exceptions import MlflowException
-
     try:
         if not args.out:
             raise UserError("--out DIR is required")
-        if Path(args.out).exists() and not args.force:  # before anything is loaded
-            raise UserError(f"{args.out} exists; pass --force to replace it")
-        client, exp = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
-                                                      artifact_root=None))
-        run_id = args.run or _recommended(client, exp, args.sweep, args.budget)
-        try:
-            client.get_run(run_id)
-        except MlflowException:
-            raise UserError(f"no run {run_id!r} in {args.tracking_uri}") from None
+        out = Path(args.out)
+        if out.exists() and not args.force:
+            raise UserError(f"{out} exists; pass --force to replace it")
+        run_id = resolve(open_store(args.tracking_uri, args.experiment), args.run, args.sweep, args.budget,
+                         args.format)
+        from quantlab import checkpoint, tracking
+        from quantlab.config import TrackingConfig
+
+        client, _ = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
+                                                    artifact_root=None))
         if args.format == "gguf":
-            export_gguf(client, run_id, Path(args.out), args.force)
+            checkpoint.export_gguf(client, run_id, out, args.force)
         else:
-            export_run(client, run_id, Path(args.out), args.force, args.register)
+            checkpoint.export_run(client, run_id, out, args.force, args.register)
     except UserError as e:
         print(f"quantlab.export: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _recommended(client, exp: str, sweep: str | None, budget: float) -> str:
-    """The run that measured the point a sweep recommended within ``budget``
-    (the sweep may have reused it from an earlier one)."""
-    from quantlab.report import _find_parent
-
-    if not sweep:
-        raise UserError("give --run RUN_ID or --sweep NAME")
-    parent = _find_parent(client, exp, sweep)
-    tags = client.get_run(parent).data.tags
-    run_id = tags.get(f"recommended.{budget:g}.run_id")
-    if not run_id:
-        budgets = sorted(k.split(".", 1)[1].removesuffix(".run_id") for k in tags
-                         if k.startswith("recommended.") and k.endswith(".run_id"))
-        raise UserError(f"sweep {sweep!r} has no recommendation for budget {budget:g}; "
-                        f"budgets with one: {', '.join(budgets) or 'none'} "
-                        f"(python -m quantlab.report --sweep {sweep} --budgets {budget:g} makes one)")
-    return tracking.origin(client.get_run(run_id))
 
 
 if __name__ == "__main__":

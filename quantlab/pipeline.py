@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import yaml
 
-from quantlab import hardware, models, provenance, targets, tracking
+from quantlab import checkpoint, hardware, models, provenance, targets, tracking
 from quantlab.config import RunConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
@@ -105,6 +105,7 @@ def base_tags(cfg: RunConfig) -> dict[str, str]:
         "quantlab.code": provenance.code_version(),
         "data.sha256": provenance.data_fingerprint(cfg),
         "git_commit": tracking.git_commit(),
+        **checkpoint.exportable_tags(cfg.scheme.weights),
         **tracking.versions(),
     }
 

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -10,10 +13,10 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file, save_file
 
-from quantlab import export
+from quantlab import checkpoint, export
 from quantlab.errors import UserError
 from quantlab.pipeline import run_point
-from tests.conftest import compose_cfg
+from tests.conftest import REPO, compose_cfg
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +33,14 @@ def store(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scheme,fmt", [("int8", "compressed-tensors/int-quantized"),
-                                        ("int4-g32", "compressed-tensors/int-quantized"),
+                                        ("int4-g32", "compressed-tensors/pack-quantized"),
                                         ("int4-g32-sym", "compressed-tensors/pack-quantized"),
                                         ("fp8-e4m3", "compressed-tensors/float-quantized"),
                                         ("bf16", "hf-bfloat16")])
 def test_export_reloads_with_same_greedy_text(store, scheme, fmt, tmp_path):
     client, ids, _ = store
     out = tmp_path / scheme
-    manifest = export.export_run(client, ids[scheme], out)
+    manifest = checkpoint.export_run(client, ids[scheme], out)
     assert manifest["format"] == fmt
     rt = manifest["round_trip"]
     assert rt["passed"] and rt["greedy_match"] and rt["kl_mean"] < 1e-4
@@ -53,12 +56,12 @@ def test_export_reloads_with_same_greedy_text(store, scheme, fmt, tmp_path):
 
 def test_export_holds_the_same_integers(store, tmp_path):
     """The int8 checkpoint stores exactly the integers the point computed with."""
-    from quantlab.export import config_from_dict, rebuild
+    from quantlab.checkpoint import config_from_dict, rebuild
     import yaml
 
     client, ids, d = store
     out = tmp_path / "int8"
-    export.export_run(client, ids["int8"], out)
+    checkpoint.export_run(client, ids["int8"], out)
     tensors = load_file(out / "model.safetensors")
     stored = tensors["model.layers.0.mlp.down_proj.weight"]
     assert stored.dtype == torch.int8
@@ -67,9 +70,32 @@ def test_export_holds_the_same_integers(store, tmp_path):
     assert torch.equal(stored, model.model.layers[0].mlp.down_proj.qweight)
 
 
+def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path):
+    """Four bits a weight on disk (eight to an int32), and the very integers and
+    zero points the point's kernel computes with."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from quantlab.checkpoint import config_from_dict, rebuild
+    import yaml
+
+    client, ids, _ = store
+    out = tmp_path / "int4"
+    checkpoint.export_run(client, ids["int4-g32"], out)
+    t = load_file(out / "model.safetensors")
+    packed, zp = t["model.layers.0.mlp.down_proj.weight_packed"], t["model.layers.0.mlp.down_proj.weight_zero_point"]
+    cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int4-g32"], "config.yaml",
+                                                                         str(tmp_path))).read_text()))
+    model, _ = rebuild(cfg)
+    q, scale, zero_point = model.model.layers[0].mlp.down_proj.int_weights()
+    assert packed.dtype == torch.int32 and packed.numel() * 8 == q.numel()
+    assert torch.equal(unpack_from_int32(packed, 4, q.shape).to(torch.int32), (q - 8).to(torch.int32))
+    assert torch.equal(zp.to(torch.int32), (zero_point - 8).to(torch.int32))
+    assert t["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.bfloat16
+    assert torch.equal(t["model.layers.0.mlp.down_proj.weight_scale"].float(), scale)
+
+
 def test_corrupted_tensor_fails_round_trip_and_writes_nothing(store, tmp_path, monkeypatch):
     client, ids, _ = store
-    real = export.write_checkpoint
+    real = checkpoint.write_checkpoint
 
     def corrupt(model, tok, cfg, dest):
         fmt = real(model, tok, cfg, dest)
@@ -80,9 +106,9 @@ def test_corrupted_tensor_fails_round_trip_and_writes_nothing(store, tmp_path, m
         save_file(t, f, metadata={"format": "pt"})
         return fmt
 
-    monkeypatch.setattr(export, "write_checkpoint", corrupt)
+    monkeypatch.setattr(checkpoint, "write_checkpoint", corrupt)
     with pytest.raises(UserError, match="round trip failed: reload vs the point.s dequantized weights: KL"):
-        export.export_run(client, ids["int4-g32"], tmp_path / "bad")
+        checkpoint.export_run(client, ids["int4-g32"], tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tmp-*"))
     assert client.get_run(ids["int4-g32"]).data.tags["export.round_trip"] == "failed"
 
@@ -93,9 +119,9 @@ def test_interrupted_export_leaves_no_half_directory(store, tmp_path, monkeypatc
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export, "verify_in_fresh_process", interrupted)
+    monkeypatch.setattr(checkpoint, "verify_in_fresh_process", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        export.export_run(client, ids["int8"], tmp_path / "x")
+        checkpoint.export_run(client, ids["int8"], tmp_path / "x")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -105,34 +131,67 @@ def test_refuses_to_overwrite_without_force(store, tmp_path):
     out.mkdir()
     (out / "mine.txt").write_text("precious")
     with pytest.raises(UserError, match="exists; pass --force"):
-        export.export_run(client, ids["int8"], out)
+        checkpoint.export_run(client, ids["int8"], out)
     assert (out / "mine.txt").read_text() == "precious"
-    export.export_run(client, ids["int8"], out, force=True)
+    checkpoint.export_run(client, ids["int8"], out, force=True)
     assert not (out / "mine.txt").exists() and (out / "quantlab.json").is_file()
 
 
 def test_registry_entry_created_with_metric_tags(store, tmp_path):
     client, ids, _ = store
-    export.export_run(client, ids["int4-g32"], tmp_path / "reg", register="quantlab-tiny")
+    checkpoint.export_run(client, ids["int4-g32"], tmp_path / "reg", register="quantlab-tiny")
     (mv,) = client.search_model_versions("name='quantlab-tiny'")
     assert mv.run_id == ids["int4-g32"] and mv.tags["scheme"] == "int4-g32"
-    assert "fid/kl_mean" in mv.tags and mv.tags["format"] == "compressed-tensors/int-quantized"
+    assert "fid/kl_mean" in mv.tags and mv.tags["format"] == "compressed-tensors/pack-quantized"
     assert "export/quantlab.json" in {a.path for a in client.list_artifacts(ids["int4-g32"], "export")}
 
 
-def test_cli_errors_are_one_line(store, tmp_path, capsys):
-    client, ids, _ = store
+def _cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "quantlab.export", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    return proc, time.perf_counter() - t0
+
+
+def test_bad_export_input_fails_in_one_line_within_two_seconds(store, tmp_path):
+    """Each refusal: exit 2, one line on stderr, in under 2 s (before torch,
+    MLflow or a model load), and nothing written."""
+    client, ids, d = store
     uri = client.tracking_uri
-    assert export.main(["--tracking-uri", uri, "--sweep", "nope", "--out", str(tmp_path / "o")]) == 2
-    assert capsys.readouterr().err.startswith("quantlab.export: no sweep 'nope'")
-    assert export.main(["--tracking-uri", uri, "--run", ids["int8"]]) == 2
-    assert "--out DIR is required" in capsys.readouterr().err
-    assert export.main(["--tracking-uri", uri, "--run", "0" * 32, "--out", str(tmp_path / "o")]) == 2
-    err = capsys.readouterr().err
-    assert err.strip() == f"quantlab.export: no run '{'0' * 32}' in {uri}"  # one line, no traceback
     (tmp_path / "taken").mkdir()
-    assert export.main(["--tracking-uri", uri, "--run", ids["int8"], "--out", str(tmp_path / "taken")]) == 2
-    assert capsys.readouterr().err.strip().endswith("taken exists; pass --force to replace it")
+    nf4 = client.get_run(ids["int8"])  # a point whose scheme has no checkpoint format, as nf4 records it
+    client.set_tag(nf4.info.run_id, export.exportable_tag("checkpoint"), "no: nf4 has no checkpoint representation")
+    try:
+        cases = {
+            ("--run", "0" * 32): f"no run '{'0' * 32}' in this store",
+            ("--sweep", "nope"): "no sweep 'nope' in this store",
+            ("--run", ids["int8"], "--out", str(tmp_path / "taken")): "taken exists; pass --force to replace it",
+            ("--run", ids["int8"]): "--out DIR is required",
+            ("--run", ids["int8"], "--format", "checkpoint"): "checkpoint export of int8 is not supported (nf4 has",
+            ("--run", ids["fp8-e4m3"], "--format", "gguf"): "gguf export of fp8-e4m3 is not supported (fp8-e4m3 has "
+                                                             "no GGUF type",
+        }
+        for args, message in cases.items():
+            argv = [*args, "--tracking-uri", uri] + ([] if "--out" in args or "required" in message
+                                                       else ["--out", str(tmp_path / "o")])
+            proc, seconds = _cli(*argv)
+            err = proc.stderr.strip()
+            assert proc.returncode == 2 and len(err.splitlines()) == 1, (args, proc.stderr[-1500:])
+            assert err.startswith("quantlab.export: ") and message in err, (args, err)
+            assert seconds < 2.0, (args, seconds)
+        assert not (tmp_path / "o").exists()
+    finally:
+        client.set_tag(nf4.info.run_id, export.exportable_tag("checkpoint"), "compressed-tensors/int-quantized")
+
+
+def test_points_record_what_they_export_as(store):
+    client, ids, _ = store
+    tags = {s: client.get_run(ids[s]).data.tags for s in ids}
+    assert tags["int4-g32"]["exportable.checkpoint"] == "compressed-tensors/pack-quantized"
+    assert tags["int8"]["exportable.gguf"] == "gguf/Q8_0"
+    assert tags["bf16"]["exportable.checkpoint"] == "hf-bfloat16"
+    assert tags["int4-g32"]["exportable.gguf"] == "gguf/Q4_1"
+    assert tags["fp8-e4m3"]["exportable.gguf"].startswith("no: fp8-e4m3 has no GGUF type")
 
 
 def test_export_copies_into_artifacts_only_when_registering(store, tmp_path, monkeypatch):
@@ -140,7 +199,7 @@ def test_export_copies_into_artifacts_only_when_registering(store, tmp_path, mon
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    export.export_run(client, ids["int8"], tmp_path / "plain")
+    checkpoint.export_run(client, ids["int8"], tmp_path / "plain")
     assert not client.list_artifacts(ids["int8"], "export")
     assert list(scratch.iterdir()) == []  # no temp file left behind
 
@@ -149,10 +208,7 @@ def test_export_by_sweep_and_budget_after_reuse(tmp_path):
     """The second sweep reuses the float points of the first; its recommendation
     is stored as a run id and `--sweep NAME --budget B` exports the run that
     measured it. A budget with no recommendation lists those that have one."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO, run_cli
+    from tests.conftest import run_cli
 
     uri = f"sqlite:///{tmp_path}/m.db"
     store = [f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a", "probe.latency.repeats=1",
@@ -183,26 +239,26 @@ def test_an_export_that_lost_its_quantization_fails_the_round_trip(store, tmp_pa
     client, ids, _ = store
 
     def float_instead(model, tok, cfg, dest):
-        float_model, _ = export.models.load(cfg.model, cfg.cache_dir)
+        float_model, _ = checkpoint.models.load(cfg.model, cfg.cache_dir)
         float_model.to(torch.bfloat16).save_pretrained(dest, safe_serialization=True)
         tok.save_pretrained(dest)
         return "hf-bfloat16"
 
-    monkeypatch.setattr(export, "write_checkpoint", float_instead)
+    monkeypatch.setattr(checkpoint, "write_checkpoint", float_instead)
     # int4 (the tiny random model's int8 error is below the 1e-4 tolerance: there a
     # float reload is as faithful as any)
     with pytest.raises(UserError, match="round trip failed"):
-        export.export_run(client, ids["int4-g32"], tmp_path / "lost")
+        checkpoint.export_run(client, ids["int4-g32"], tmp_path / "lost")
     assert not (tmp_path / "lost").exists()
 
 
 def test_round_trip_verdict_needs_both_gates():
     ok = {"kl_mean": 1e-6, "max_abs_diff": 1e-3, "kl_from_float": 4e-3}
-    assert export.round_trip_verdict(ok, point_from_float=4.4e-3)["passed"]
+    assert checkpoint.round_trip_verdict(ok, point_from_float=4.4e-3)["passed"]
     # equal to the point within tolerance, but as close to float as a float reload would be
     lost = {**ok, "kl_from_float": 1e-5}
-    v = export.round_trip_verdict(lost, point_from_float=4.4e-3)
+    v = checkpoint.round_trip_verdict(lost, point_from_float=4.4e-3)
     assert not v["passed"] and "is the float model" in v["why"]
     far = {**ok, "kl_mean": 2e-3}
-    assert "dequantized weights" in export.round_trip_verdict(far, 4.4e-3)["why"]
-    assert export.round_trip_verdict({**ok, "kl_from_float": 0.0}, point_from_float=0.0)["passed"]  # float point
+    assert "dequantized weights" in checkpoint.round_trip_verdict(far, 4.4e-3)["why"]
+    assert checkpoint.round_trip_verdict({**ok, "kl_from_float": 0.0}, point_from_float=0.0)["passed"]  # float point

@@ -56,12 +56,22 @@ def apply(model: torch.nn.Module, cfg: Int4Scheme, ctx: ApplyContext) -> Applied
 
 
 def checkpoint(cfg) -> Mapping:
-    """compressed-tensors int4 groups (RTN and GPTQ alike): symmetric as
-    ``pack-quantized``; asymmetric as ``int-quantized`` (asymmetric
-    ``pack-quantized`` zero points do not reload in transformers 5.24)."""
-    return Mapping({"format": "pack-quantized" if cfg.symmetric else "int-quantized",
-                    "args": {"num_bits": 4, "type": "int", "symmetric": cfg.symmetric,
-                             "group_size": cfg.group_size, "strategy": "group"}})
+    """compressed-tensors ``pack-quantized`` int4 (RTN and GPTQ alike): eight
+    values per int32, scales in the compute dtype (where the point keeps
+    them, so they are exact). Symmetric: ``group`` strategy, no zero points.
+    Asymmetric: the same groups written as ``block`` ``[1, group]`` with int8
+    zero points: compressed-tensors 0.20.1 packs ``group`` zero points on
+    save but its meta-device init (what transformers 5.24 loads into) keeps
+    them unpacked, so a ``group`` asymmetric checkpoint fails to reload with a
+    shape mismatch; ``block`` zero points are stored and initialised unpacked.
+    (vLLM's int4 kernels read ``group``/``channel`` strategies; whether it
+    reads the ``block`` layout is unverified here.)"""
+    args = {"num_bits": 4, "type": "int", "symmetric": cfg.symmetric, "scale_dtype": cfg.compute_dtype}
+    if cfg.symmetric:
+        args.update(strategy="group", group_size=cfg.group_size)
+    else:
+        args.update(strategy="block", block_structure=[1, cfg.group_size])
+    return Mapping({"format": "pack-quantized", "args": args})
 
 
 def gguf(cfg) -> Mapping:

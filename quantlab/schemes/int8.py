@@ -44,9 +44,11 @@ def apply(model: torch.nn.Module, cfg: Int8Scheme, ctx: ApplyContext) -> Applied
 
 
 def checkpoint(cfg: Int8Scheme) -> Mapping:
-    """compressed-tensors ``int-quantized``: int8 per output channel, symmetric."""
+    """compressed-tensors ``int-quantized``: int8 per output channel, symmetric,
+    scales in the compute dtype (where the point keeps them: exact)."""
     return Mapping({"format": "int-quantized",
-                    "args": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}})
+                    "args": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                             "scale_dtype": cfg.compute_dtype}})
 
 
 def neuron(cfg: Int8Scheme) -> Mapping:
