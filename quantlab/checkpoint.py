@@ -101,7 +101,9 @@ def _ct_config(model, spec: dict):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     targets = sorted({n for n, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear, FP8Linear))})
-    scheme = QuantizationScheme(targets=targets, weights=QuantizationArgs(**spec["args"]))
+    acts = spec.get("input_activations")
+    scheme = QuantizationScheme(targets=targets, weights=QuantizationArgs(**spec["args"]),
+                                input_activations=QuantizationArgs(**acts) if acts else None)
     return QuantizationConfig(config_groups={"group_0": scheme}, format=spec["format"], quantization_status="frozen")
 
 
@@ -307,9 +309,11 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
     try:
         fmt = write_checkpoint(model, tok, cfg, tmp)
         ids = check_input(tok)
-        _, greedy = logits_and_greedy(model, ids)  # the point's own text, compared for information
+        point_logits, greedy = logits_and_greedy(model, ids)  # the point's own text, compared for information
         float_model, dense = dense_twins(model, cfg, reload_dtype(cfg))
-        logits = logits_and_greedy(dense, ids)[0]
+        # W8A8 quantizes activations at run time, in the point and in the reload alike, not in a dense twin
+        activations = "input_activations" in checkpoint_mapping(cfg.scheme.weights)
+        logits = point_logits if activations else logits_and_greedy(dense, ids)[0]
         float_logits = logits_and_greedy(float_model, ids)[0]
         point_from_float = float(kl_per_token(float_logits, logits).mean())
         del float_model, dense

@@ -24,7 +24,7 @@ def store(tmp_path_factory):
     d = tmp_path_factory.mktemp("exp")
     uri = f"sqlite:///{d}/m.db"
     ids = {}
-    for scheme in ("int8", "int4-g32", "int4-g32-sym", "fp8-e4m3", "bf16"):
+    for scheme in ("int8", "int4-g32", "int4-g32-sym", "fp8-e4m3", "fp8-w8a8", "bf16"):
         cfg = compose_cfg(["model=tiny", f"scheme/weights={scheme}", f"tracking.uri={uri}",
                            f"tracking.artifact_root={d}/a", "probe.latency.repeats=1", "probe.latency.stages=false",
                            "probe.cache.enabled=false"])
@@ -36,6 +36,7 @@ def store(tmp_path_factory):
                                         ("int4-g32", "compressed-tensors/pack-quantized"),
                                         ("int4-g32-sym", "compressed-tensors/pack-quantized"),
                                         ("fp8-e4m3", "compressed-tensors/float-quantized"),
+                                        ("fp8-w8a8", "compressed-tensors/float-quantized"),
                                         ("bf16", "hf-bfloat16")])
 def test_export_reloads_with_same_greedy_text(store, scheme, fmt, tmp_path):
     client, ids, _ = store
@@ -51,7 +52,12 @@ def test_export_reloads_with_same_greedy_text(store, scheme, fmt, tmp_path):
     tags = client.get_run(ids[scheme]).data.tags
     assert tags["export.round_trip"] == "passed" and tags["export.format"] == fmt
     if fmt.startswith("compressed"):
-        assert "quantization_config" in json.loads((out / "config.json").read_text())
+        group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+        acts = group["input_activations"]
+        if scheme == "fp8-w8a8":  # its activation quantization travels with it
+            assert (acts["type"], acts["num_bits"], acts["strategy"], acts["dynamic"]) == ("float", 8, "token", True)
+        else:
+            assert acts is None
 
 
 def test_export_holds_the_same_integers(store, tmp_path):
@@ -68,6 +74,29 @@ def test_export_holds_the_same_integers(store, tmp_path):
     cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int8"], "config.yaml", str(tmp_path))).read_text()))
     model, _ = rebuild(cfg)
     assert torch.equal(stored, model.model.layers[0].mlp.down_proj.qweight)
+
+
+def test_w8a8_reload_quantizes_its_activations(store, tmp_path, monkeypatch):
+    """transformers applies the exported dynamic per-token FP8 input
+    quantization: once per quantized linear per forward."""
+    import compressed_tensors.quantization.lifecycle.forward as ct_forward
+    from transformers import AutoModelForCausalLM
+
+    client, ids, _ = store
+    checkpoint.export_run(client, ids["fp8-w8a8"], tmp_path / "w8a8")
+    calls = []
+    real = ct_forward.forward_quantize
+
+    def spy(module, value, base_name, args):
+        calls.append((base_name, args.strategy, args.dynamic))
+        return real(module, value, base_name, args)
+
+    monkeypatch.setattr(ct_forward, "forward_quantize", spy)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "w8a8")
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3, 4]]))
+    linears = 7 * model.config.num_hidden_layers
+    assert calls.count(("input", "token", True)) == linears
 
 
 def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path):
@@ -192,6 +221,10 @@ def test_points_record_what_they_export_as(store):
     assert tags["bf16"]["exportable.checkpoint"] == "hf-bfloat16"
     assert tags["int4-g32"]["exportable.gguf"] == "gguf/Q4_1"
     assert tags["fp8-e4m3"]["exportable.gguf"].startswith("no: fp8-e4m3 has no GGUF type")
+    from quantlab.schemes.fp8 import FP8Scheme
+
+    e5m2 = checkpoint.exportable_tags(FP8Scheme(format="e5m2"))["exportable.checkpoint"]
+    assert e5m2.startswith("no: compressed-tensors FP8 is E4M3 only")
 
 
 def test_export_copies_into_artifacts_only_when_registering(store, tmp_path, monkeypatch):

@@ -70,8 +70,18 @@ def apply(model: torch.nn.Module, cfg: FP8Scheme, ctx: ApplyContext) -> Applied:
 
 
 def checkpoint(cfg: FP8Scheme) -> Mapping:
-    return Mapping({"format": "float-quantized",
-                    "args": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}})
+    """compressed-tensors ``float-quantized``: E4M3 weights, fp32 scale per
+    channel; W8A8 adds dynamic per-token E4M3 input activations (what
+    transformers applies on reload and vLLM runs on FP8 tensor cores).
+    compressed-tensors' FP8 is E4M3 only."""
+    if cfg.format != "e4m3":
+        return Mapping(reason=f"compressed-tensors FP8 is E4M3 only; {cfg.short_name()} has no checkpoint format")
+    spec = {"format": "float-quantized",
+            "args": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}
+    if cfg.activations == "dynamic":
+        spec["input_activations"] = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                     "dynamic": True}
+    return Mapping(spec)
 
 
 def neuron(cfg: FP8Scheme) -> Mapping:
