@@ -23,7 +23,8 @@ def test_preset_composes_to_typed_config(group, preset):
     assert isinstance(cfg.probe, ProbeConfig)
     assert isinstance(cfg.target, (CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig, LlamaCppTargetConfig))
     assert isinstance(cfg.scheme.kv, KVScheme) and isinstance(cfg.scheme.weights, WeightScheme)
-    assert cfg.scheme.weights.short_name()
+    if group == "scheme/weights":  # run names (and the `scheme` param) are the preset names
+        assert cfg.scheme.weights.short_name() == preset
     if group == "scheme/kv" and preset != "none":
         assert cfg.scheme.kv.short_name().startswith("kv")
     else:

@@ -149,12 +149,12 @@ def test_headline_sweep_without_data_dir_exits_0_with_every_family(tmp_path):
     runs = {r.info.run_name: r for r in client.search_runs(
         [client.get_experiment_by_name("quantlab").experiment_id], filter_string="tags.`quantlab.sweep` = 'fp8_vs_int4'")
         if r.data.tags.get("quantlab.role") != "sweep"}
-    assert len(runs) == 10 and "int4-g64+kv8@cpu" in runs and "gptq4-g64@cpu" in runs
+    assert len(runs) == 10 and "int4-g64+kv8@cpu" in runs and "gptq-g64@cpu" in runs
     assert all(r.data.tags[tracking.OUTCOME_TAG] == "finished" for r in runs.values())
     kv = runs["int4-g64+kv8@cpu"].data
     assert kv.tags["probe.fidelity.corpus"] == "builtin" and "kvfid/kl_mean" in kv.metrics
     assert "data_dir" in kv.tags["probe.accuracy.skipped"] and "data_dir" in kv.tags["probe.perplexity.skipped"]
-    assert "calibration.fallback" in runs["gptq4-g64@cpu"].data.tags
+    assert "calibration.fallback" in runs["gptq-g64@cpu"].data.tags
     assert "Decision rule: loss on `fid/top1_agree`" in proc.stdout and "95% bound" in proc.stdout
 
 
@@ -164,7 +164,7 @@ def test_params_of_other_model_sources_are_not_logged():
 
     params = run_params(compose_cfg(["model=smollm2-135m", "scheme/weights=gptq-g64"]))
     assert not any(k.startswith("model.tiny.") for k in params)
-    assert params["scheme"] == "gptq4-g64" and params["scheme.weights.group_size"] == "64"
+    assert params["scheme"] == "gptq-g64" and params["scheme.weights.group_size"] == "64"
 
 
 def test_close_points_get_stacked_labels():

@@ -34,7 +34,10 @@ class FP8Scheme(WeightScheme):
             raise ValueError(f"fp8 activations {self.activations!r}; valid: {', '.join(ACTIVATIONS)}")
 
     def short_name(self) -> str:
-        return f"fp8-{self.format}{'-w8a8' if self.activations == 'dynamic' else ''}"
+        """The preset's name: ``fp8-e4m3``, ``fp8-e5m2``, ``fp8-w8a8`` (E4M3 W8A8)."""
+        if self.activations == "dynamic":
+            return "fp8-w8a8" if self.format == "e4m3" else f"fp8-{self.format}-w8a8"
+        return f"fp8-{self.format}"
 
 
 def _fp8_tensor_cores(hw: Hardware) -> bool:

@@ -49,7 +49,9 @@ class GPTQScheme(WeightScheme):
             raise ValueError(f"gptq bits {self.bits}; valid: 3, 4, 8")
 
     def short_name(self) -> str:
-        return f"gptq{self.bits}-g{self.group_size}{'-sym' if self.symmetric else ''}{'-ao' if self.act_order else ''}"
+        """The preset's name (``gptq-g64``); other bit widths carry theirs (``gptq3-g64``)."""
+        bits = "" if self.bits == 4 else str(self.bits)
+        return f"gptq{bits}-g{self.group_size}{'-sym' if self.symmetric else ''}{'-ao' if self.act_order else ''}"
 
 
 def support(cfg: GPTQScheme, hw: Hardware) -> Support:
