@@ -79,6 +79,8 @@ def connect(cfg: TrackingConfig) -> tuple[MlflowClient, str]:
             raise UserError(f"tracking store {uri}: cannot create {db.parent}: {e.strerror}") from e
     if uri.startswith(("http://", "https://")):
         _check_server(uri)
+    if uri.startswith("sqlite:///") and db.is_file():
+        relocate_artifacts(db)
     client = MlflowClient(tracking_uri=uri)
     try:
         exp = client.get_experiment_by_name(cfg.experiment)
@@ -90,6 +92,40 @@ def connect(cfg: TrackingConfig) -> tuple[MlflowClient, str]:
         return client, client.create_experiment(cfg.experiment, artifact_location=artifacts)
     except mlflow.exceptions.MlflowException as e:
         raise UserError(f"tracking store {uri} unusable: {str(e).splitlines()[0]}") from e
+
+
+def relocate_artifacts(db: Path) -> int:
+    """Make a moved or copied local store work where it now is.
+
+    MLflow stores artifact locations as absolute ``file://`` URIs, so a store
+    directory that moved (``mv mlruns elsewhere/``, a copy on another machine)
+    points its runs at artifacts that are no longer there. For each experiment
+    whose artifact directory is missing while a directory of the same name
+    sits next to the database (quantlab's layout: ``mlruns/mlflow.db`` beside
+    ``mlruns/artifacts``), the experiment's and its runs' artifact URIs are
+    rewritten to the new place, and one line says so. Returns the number of
+    experiments moved."""
+    import sqlite3
+    from urllib.parse import unquote, urlparse
+
+    moved = 0
+    with sqlite3.connect(db) as con:
+        for exp_id, location in con.execute("SELECT experiment_id, artifact_location FROM experiments").fetchall():
+            if not location or not location.startswith("file://"):
+                continue
+            old = Path(unquote(urlparse(location).path))
+            new = db.parent.resolve() / old.name
+            if old.exists() or not new.is_dir() or new == old:
+                continue
+            old_uri, new_uri = location, new.as_uri()
+            con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new_uri, exp_id))
+            con.execute("UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) WHERE experiment_id = ? "
+                        "AND substr(artifact_uri, 1, ?) = ?",
+                        (new_uri, len(old_uri) + 1, exp_id, len(old_uri), old_uri))
+            log.warning("tracking store moved: artifacts of experiment %s now read from %s (were %s)",
+                        exp_id, new, old)
+            moved += 1
+    return moved
 
 
 def _check_server(uri: str, timeout: float = 5.0) -> None:

@@ -213,3 +213,27 @@ def test_point_hash_covers_code_and_data_files(tmp_path, monkeypatch):
     assert point_hash(cfg) != h1
     gptq = compose_cfg(["model=tiny", "scheme/weights=gptq-g64", "probe=smoke"])
     assert provenance.data_files(gptq) == ["calibration/wiki.utf8"]
+
+
+def test_a_moved_store_reads_its_artifacts_where_it_now_is(tmp_path):
+    """`mv mlruns elsewhere/`: MLflow kept absolute artifact paths; the next
+    connection rewrites them to the store's new place, so configs and reports
+    still load (the export reads config.yaml from there)."""
+    import shutil
+
+    from quantlab.config import TrackingConfig
+
+    old = tmp_path / "old" / "mlruns"
+    first = run_cli(["model=tiny", "probe=smoke", "probe.latency.enabled=false",
+                     f"tracking.uri=sqlite:///{old}/mlflow.db", f"tracking.artifact_root={old}/artifacts"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    new = tmp_path / "new" / "mlruns"
+    new.parent.mkdir()
+    shutil.move(old, new)
+    client, exp = tracking.connect(TrackingConfig(uri=f"sqlite:///{new}/mlflow.db", experiment="quantlab",
+                                                  artifact_root=None))
+    (run,) = [r for r in client.search_runs([exp]) if r.info.run_name.endswith("@cpu")]
+    assert run.info.artifact_uri.startswith((new / "artifacts").as_uri())
+    got = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
+    assert "tiny" in open(got).read()
+    assert tracking.relocate_artifacts(new / "mlflow.db") == 0  # once
