@@ -39,7 +39,7 @@ from quantlab.config import RunConfig, TrackingConfig, register_configs
 from quantlab.digest import sha256_file
 from quantlab.errors import UserError
 from quantlab.probes import corpus
-from quantlab.schemes import registry
+from quantlab.schemes import layers, registry
 from quantlab.schemes.qlinear import FP8Linear, Int4Linear, Int8Linear
 
 log = logging.getLogger("quantlab")
@@ -155,8 +155,11 @@ def dense_twins(model, cfg: RunConfig, dtype: torch.dtype):
     dense.load_state_dict(state, strict=False)  # non-quantized parameters as the point holds them
     for name, mod in model.named_modules():
         if isinstance(mod, (Int4Linear, Int8Linear, FP8Linear)):
-            dense.get_submodule(name).weight.data = dequantized(mod)
-    return float_model.to(dtype).eval(), dense.to(dtype).eval()
+            dense.get_submodule(name).weight.data = dequantized(mod).contiguous()
+    for m in (float_model, dense):  # as transformers reloads the checkpoint: parameters in dtype (RoPE's
+        layers.cast_parameters(m, dtype)  # inv_freq stays fp32) and config.dtype too (masks, kernels follow it)
+        m.config.dtype = dtype
+    return float_model.eval(), dense.eval()
 
 
 def write_checkpoint(model, tok, cfg: RunConfig, dest: Path) -> str:
