@@ -306,6 +306,9 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
     cfg = _run_config(client, run_id)
     checkpoint_mapping(cfg.scheme.weights)  # refuse a scheme without a format before rebuilding it
     log.info("export: rebuilding %s from run %s", run.info.run_name, run_id)
+    if cfg.scheme.kv.short_name():
+        log.info("export: %s is a KV-cache setting of the runtime, not part of a checkpoint: the export holds "
+                 "the weights; quantlab.json records it (kv_scheme)", cfg.scheme.kv.short_name())
     model, tok = rebuild(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -328,7 +331,8 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
         check.update(round_trip_verdict(check, point_from_float, tolerance))
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {"source_run_id": run_id, "run_name": run.info.run_name, "format": fmt,
-                    "scheme": cfg.scheme.weights.to_dict(), "model": dataclasses.asdict(cfg.model),
+                    "scheme": cfg.scheme.weights.to_dict(), "kv_scheme": cfg.scheme.kv.to_dict(),
+                    "model": dataclasses.asdict(cfg.model),
                     "metrics": run.data.metrics, "versions": tracking.versions(
                         ("torch", "transformers", "compressed-tensors", "torchao", "quantlab")),
                     "round_trip": check, "files_sha256": files,
