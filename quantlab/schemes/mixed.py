@@ -1,0 +1,113 @@
+"""Mixed precision: one round-to-nearest scheme per Linear layer, from a recipe.
+
+A recipe (written by ``python -m quantlab.sensitivity``, or by hand) names a
+candidate per layer; layers it does not name take ``default``:
+
+    name: 5.0b                       # the run is named mixed-5.0b
+    default: int4-g64
+    layers:
+      model.layers.0.mlp.down_proj: int8
+      model.layers.29.mlp.down_proj: bf16   # kept in the compute dtype
+
+Candidates: ``bf16`` (kept as it is, in the compute dtype), ``int8`` (per
+channel) and ``int4-g<32|64|128|256>[-sym]``, each on the same real kernel as
+its uniform scheme. The recipe's assignment is copied into the config when the
+point is composed, so the run's ``config.yaml`` and its point hash hold the
+recipe itself, not a path to a file that may change.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from quantlab.errors import UserError
+from quantlab.hardware import Hardware
+from quantlab.schemes import layers
+from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.qlinear import Int4Linear, Int8Linear
+from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
+
+_INT4 = re.compile(r"^int4-g(?P<g>32|64|128|256)(?P<sym>-sym)?$")
+KEEP = "bf16"
+
+
+def valid_candidate(name: str) -> bool:
+    return name in (KEEP, "int8") or bool(_INT4.match(name))
+
+
+def quantize_linear(lin: torch.nn.Linear, candidate: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``lin`` as ``candidate`` would store it (``bf16``: the layer itself)."""
+    if candidate == KEEP:
+        return lin
+    if candidate == "int8":
+        return Int8Linear.from_linear(lin, dtype)
+    m = _INT4.match(candidate)
+    if m is None:
+        raise UserError(f"unknown mixed-precision candidate {candidate!r}; valid: bf16, int8, "
+                        "int4-g32/g64/g128/g256 (optionally -sym)")
+    group = int(m["g"])
+    if lin.in_features % group:
+        raise UserError(f"{candidate}: group {group} does not divide in_features {lin.in_features}")
+    return Int4Linear.from_linear(lin, group, bool(m["sym"]), dtype)
+
+
+@dataclass
+class MixedScheme(WeightScheme):
+    recipe: str = ""  # a recipe YAML; its name/default/layers replace the fields below
+    name: str = "custom"
+    default: str = "int4-g64"
+    layers: dict[str, str] = field(default_factory=dict)
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.recipe:
+            path = Path(self.recipe).expanduser()
+            if not path.is_file():
+                raise ValueError(f"mixed recipe {self.recipe} not found (python -m quantlab.sensitivity writes one)")
+            data = yaml.safe_load(path.read_text()) or {}
+            self.name = str(data.get("name", path.stem))
+            self.default = data.get("default", self.default)
+            self.layers = dict(data.get("layers") or {})
+            self.recipe = ""  # the assignment is now in the config itself
+        bad = sorted({c for c in (self.default, *self.layers.values()) if not valid_candidate(c)})
+        if bad:
+            raise ValueError(f"mixed recipe candidates {bad}; valid: bf16, int8, int4-g32/g64/g128/g256[-sym]")
+
+    def short_name(self) -> str:
+        return f"mixed-{self.name}"
+
+
+def support(cfg: MixedScheme, hw: Hardware) -> Support:
+    if hw.device == "cpu":
+        return Support("real", "each layer on its uniform scheme's CPU kernel")
+    return Support("unsupported", f"mixed recipes run on CPU only so far (not {hw.device})")
+
+
+def apply(model: torch.nn.Module, cfg: MixedScheme, ctx: ApplyContext) -> Applied:
+    dtype = getattr(torch, cfg.compute_dtype)
+    linears = layers.select(model, cfg.skip)
+    unknown = sorted(set(cfg.layers) - {n for n, _ in linears})
+    if unknown:
+        raise UserError(f"mixed-{cfg.name}: the recipe names {len(unknown)} layers this model does not have "
+                        f"(first: {unknown[0]}): a recipe is made for one model")
+    counts: dict[str, int] = {}
+    for name, lin in linears:
+        choice = cfg.layers.get(name, cfg.default)
+        layers.replace(model, name, quantize_linear(lin, choice, dtype))
+        counts[choice] = counts.get(choice, 0) + 1
+    layers.cast_parameters(model, dtype)
+    tags = {f"mixed.layers.{c}": str(n) for c, n in sorted(counts.items())}
+    return Applied(backend="mixed: aten int8/int4 CPU kernels per layer", emulated=False, tags=tags)
+
+
+def no_checkpoint(cfg: MixedScheme) -> Mapping:
+    return Mapping(reason=f"{cfg.short_name()}: mixed recipes do not export yet (one compressed-tensors "
+                          "config group per candidate would)")
+
+
+register_weights("mixed", MixedScheme, support, apply, checkpoint=no_checkpoint, gguf=no_checkpoint)

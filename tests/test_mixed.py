@@ -1,0 +1,130 @@
+"""Per-layer sensitivity, the bits-budget solver and mixed-precision points."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlflow.tracking import MlflowClient
+
+from quantlab import models, sensitivity
+from quantlab.errors import UserError
+from quantlab.pipeline import run_point
+from quantlab.probes import corpus
+from quantlab.schemes.mixed import MixedScheme
+from tests.conftest import compose_cfg
+
+CANDS = ["bf16", "int4-g64", "int4-g32", "int8"]
+
+
+def _table(kl: list[list[float]], bits: list[float], numel: list[int]) -> sensitivity.Table:
+    names = [f"l{i}" for i in range(len(kl))]
+    return sensitivity.Table(key={}, candidates=CANDS, numel=dict(zip(names, numel)),
+                             kl={n: dict(zip(CANDS, [0.0, *row])) for n, row in zip(names, kl)},
+                             bits={n: dict(zip(CANDS, [16.0, *bits])) for n in names})
+
+
+@settings(max_examples=60, deadline=None)
+@given(kl=st.lists(st.tuples(st.floats(1e-4, 1.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0)), min_size=1, max_size=6),
+       numel=st.lists(st.integers(1, 1000), min_size=6, max_size=6),
+       budget=st.floats(4.5, 16.0))
+def test_solver_respects_the_budget_and_beats_every_uniform_recipe_that_fits(kl, numel, budget):
+    # KL decreases with more bits: int4-g64 >= int4-g32 >= int8 >= bf16 (0)
+    rows = [sorted([a, a * b, a * b * c], reverse=True) for a, b, c in kl]
+    table = _table(rows, [4.5, 5.0, 8.25], numel[: len(rows)])
+    choice = sensitivity.solve(table, budget)
+    assert table.average_bits(choice) <= budget + 1e-9
+    for cand in CANDS:
+        uniform = {n: cand for n in table.layers}
+        if table.average_bits(uniform) <= budget:
+            assert table.predicted_kl(choice) <= table.predicted_kl(uniform) + 1e-12
+
+
+def test_solver_finds_the_optimum_of_a_small_table():
+    table = _table([[0.9, 0.5, 0.01], [0.02, 0.01, 0.001], [0.3, 0.2, 0.05]], [4.5, 5.0, 8.25], [100, 100, 100])
+    for budget in (4.5, 5.0, 5.5, 6.0, 7.0, 9.0):
+        best = min((dict(zip(table.layers, c)) for c in itertools.product(CANDS, repeat=3)
+                    if table.average_bits(dict(zip(table.layers, c))) <= budget), key=table.predicted_kl)
+        assert table.predicted_kl(sensitivity.solve(table, budget)) == pytest.approx(table.predicted_kl(best))
+
+
+def test_budget_below_the_cheapest_recipe_is_one_clear_error():
+    table = _table([[0.1, 0.05, 0.01]], [4.5, 5.0, 8.25], [10])
+    with pytest.raises(UserError, match="budget 4 bits/weight is below the cheapest recipe .4.500"):
+        sensitivity.solve(table, 4.0)
+
+
+def test_sensitivity_table_on_the_tiny_model(tmp_path):
+    cfg = compose_cfg(["model=tiny"]).model
+    model, tok = models.load(cfg, str(tmp_path))
+    ids = corpus.token_ids(tok, "builtin", 64)
+    table = sensitivity.measure(model, ids, ["int4-g32", "int8"], torch.bfloat16, ["lm_head"], key={})
+    assert len(table.layers) == 14 and "lm_head" not in table.layers
+    for n in table.layers:
+        assert table.kl[n]["bf16"] == 0.0 and table.kl[n]["int8"] > 0 and table.kl[n]["int4-g32"] > 0
+        assert table.bits[n]["bf16"] == 16.0 and table.bits[n]["int4-g32"] == 5.0  # 4 + bf16 scale and zero per 32
+        k = model.get_submodule(n).in_features
+        assert table.bits[n]["int8"] == pytest.approx(8 + 16 / k)  # + one bf16 scale per row
+    assert sum(table.kl[n]["int8"] for n in table.layers) < sum(table.kl[n]["int4-g32"] for n in table.layers)
+    # the model is left as it was: every layer restored
+    assert all(type(model.get_submodule(n)).__name__ == "Linear" for n in table.layers)
+
+
+def test_a_recipe_runs_as_a_point_and_beats_uniform_int4_at_a_higher_budget(tmp_path):
+    out = tmp_path / "recipes"
+    table = sensitivity.run("tiny", ["int4-g32", "int8"], "builtin", 64, "bfloat16", out, None, str(tmp_path),
+                            [6.0])
+    r = yaml.safe_load((out / "6b.yaml").read_text())
+    assert r["name"] == "6b" and r["predicted"]["bits_per_linear_weight"] <= 6.0
+    assert (out / "sensitivity.png").stat().st_size > 5_000
+    again = sensitivity.run("tiny", ["int4-g32", "int8"], "builtin", 64, "bfloat16", out, None, str(tmp_path), [6.0])
+    assert again == table  # the cached table, not a second measurement
+    uri = f"sqlite:///{tmp_path}/m.db"
+    common = ["model=tiny", "probe=smoke", "probe.latency.enabled=false", f"tracking.uri={uri}",
+              f"tracking.artifact_root={tmp_path}/a"]
+    mixed = run_point(compose_cfg([*common, "scheme/weights=mixed", f"scheme.weights.recipe={out / '6b.yaml'}"]))
+    uniform = run_point(compose_cfg([*common, "scheme/weights=int4-g32"]))
+    assert mixed.outcome == "finished" and mixed.name == "mixed-6b@cpu"
+    client = MlflowClient(uri)
+    m, u = client.get_run(mixed.run_id).data, client.get_run(uniform.run_id).data
+    assert m.metrics["fid/kl_mean"] < u.metrics["fid/kl_mean"]
+    assert m.metrics["size/weight_bytes"] > u.metrics["size/weight_bytes"]
+    counts = {k.rsplit(".", 1)[-1]: int(v) for k, v in m.tags.items() if k.startswith("mixed.layers.")}
+    assert sum(counts.values()) == 14 and counts.get("int8", 0) >= 1
+    assert m.tags["exportable.checkpoint"].startswith("no: mixed-6b: mixed recipes do not export yet")
+
+
+def test_recipe_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "x", "default": "int4-g48", "layers": {}}))
+    with pytest.raises(ValueError, match=r"mixed recipe candidates \['int4-g48'\]"):
+        MixedScheme(recipe=str(bad))
+    with pytest.raises(ValueError, match="not found"):
+        MixedScheme(recipe=str(tmp_path / "missing.yaml"))
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({"name": "o", "default": "int8", "layers": {"model.layers.99.mlp.up_proj": "bf16"}}))
+    result = run_point(compose_cfg(["model=tiny", "probe=smoke", "scheme/weights=mixed",
+                                    f"scheme.weights.recipe={other}", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                                    f"tracking.artifact_root={tmp_path}/a"]))
+    assert result.outcome == "failed" and "a recipe is made for one model" in result.reason
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--candidates", "int4-g48"], "candidates ['int4-g48']; valid: bf16, int8"),
+    (["--budgets", "0"], "budgets must be > 0 bits/weight"),
+    (["--model", "nope"], "unknown model 'nope'; valid:"),
+])
+def test_sensitivity_cli_bad_input_is_one_line(args, message, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "quantlab.sensitivity", "--model", "tiny", "--out", str(tmp_path),
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("quantlab.sensitivity: ") and message in err[0], \
+        proc.stderr
