@@ -128,8 +128,7 @@ def checkpoint_mapping(w) -> dict:
     """The scheme's checkpoint format, or one line saying it has none."""
     m = registry.weights_handler(w).mapping("checkpoint", w)
     if not m.ok:
-        raise UserError(f"export of {w.short_name()} is not supported ({m.reason}; bitsandbytes NF4/FP4 "
-                        "points cannot be rebuilt into a loadable checkpoint yet)")
+        raise UserError(f"checkpoint export of {w.short_name()} is not supported ({m.reason})")
     return m.spec
 
 

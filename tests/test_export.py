@@ -225,6 +225,10 @@ def test_points_record_what_they_export_as(store):
 
     e5m2 = checkpoint.exportable_tags(FP8Scheme(format="e5m2"))["exportable.checkpoint"]
     assert e5m2.startswith("no: compressed-tensors FP8 is E4M3 only")
+    from quantlab.schemes.bnb4 import BnB4Scheme
+
+    nf4 = checkpoint.exportable_tags(BnB4Scheme())["exportable.checkpoint"]
+    assert nf4.startswith("no: nf4 checkpoints are not built yet")
 
 
 def test_export_copies_into_artifacts_only_when_registering(store, tmp_path, monkeypatch):

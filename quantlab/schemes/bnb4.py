@@ -62,4 +62,9 @@ def gguf(cfg: BnB4Scheme) -> Mapping:
                           "int4-g32-sym (Q4_0) or gptq-g32-sym")
 
 
-register_weights("bnb4", BnB4Scheme, support, apply, gguf=gguf)
+def checkpoint(cfg: BnB4Scheme) -> Mapping:
+    return Mapping(reason=f"{cfg.short_name()} checkpoints are not built yet (bitsandbytes' own 4-bit "
+                          "serialization through transformers would be the route)")
+
+
+register_weights("bnb4", BnB4Scheme, support, apply, checkpoint=checkpoint, gguf=gguf)
