@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from quantlab.errors import UserError
 from quantlab.probes import corpus
 
+log = logging.getLogger("quantlab")
 SPEC_DIR = Path(__file__).resolve().parent.parent / "calibration"
 _DOC = re.compile(r"<doc [^>]*>\n?(.*?)</doc>", re.S)
 
@@ -85,3 +87,16 @@ def load(name: str, tokenizer, n_samples: int, seq_len: int, seed: int,
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({"ids": batch}, path)
     return batch
+
+
+def batch_or_builtin(name: str, who: str, ctx, n_samples: int, seq_len: int) -> tuple[torch.Tensor, dict[str, str]]:
+    """Calibration ids for ``who`` (a scheme name) from set ``name``, or from
+    the built-in text when that set cannot be read here (a newcomer without the
+    data directory still gets the point, tagged and warned). Returns the ids
+    and the tags that say which set was used (``calibration``,
+    ``calibration.fallback``)."""
+    source, tags = name, {"calibration": name}
+    if why := missing(name, ctx.data_dir):
+        log.warning("%s: %s; calibrating on the built-in text instead (weaker: a few KB of prose)", who, why)
+        source, tags = "builtin", {"calibration": "builtin", "calibration.fallback": why}
+    return load(source, ctx.tokenizer, n_samples, seq_len, ctx.seed, ctx.data_dir, ctx.cache_dir), tags

@@ -104,12 +104,7 @@ def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
     dtype = getattr(torch, cfg.compute_dtype)
     selected = dict(layers.select(model, cfg.skip))
     layers.check_group_size(list(selected.items()), cfg.group_size, cfg.short_name())
-    source, tags = cfg.calibration, {"calibration": cfg.calibration}
-    if why := calibration.missing(cfg.calibration, ctx.data_dir):
-        # A newcomer without the data directory still gets a GPTQ point, marked as such.
-        log.warning("gptq: %s; calibrating on the built-in text instead (weaker: a few KB of prose)", why)
-        source, tags = "builtin", {"calibration": "builtin", "calibration.fallback": why}
-    ids = calibration.load(source, ctx.tokenizer, cfg.n_samples, cfg.seq_len, ctx.seed, ctx.data_dir, ctx.cache_dir)
+    ids, tags = calibration.batch_or_builtin(cfg.calibration, "gptq", ctx, cfg.n_samples, cfg.seq_len)
     decoder = _decoder_layers(model)
     states = _first_layer_inputs(model, decoder, ids)
     prefix = {id(m): n for n, m in model.named_modules()}

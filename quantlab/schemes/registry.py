@@ -30,6 +30,7 @@ _MODULES = (
     "quantlab.schemes.fp8",
     "quantlab.schemes.bnb4",
     "quantlab.schemes.gptq",
+    "quantlab.schemes.awq",
     "quantlab.schemes.mixed",
     "quantlab.schemes.kv",
 )

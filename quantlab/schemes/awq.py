@@ -1,0 +1,166 @@
+"""AWQ: activation-aware per-channel scaling, then int4 groups (Lin et al., 2023).
+
+Input channels that carry large activations matter more; AWQ multiplies those
+weight columns by ``s = mean|x|^alpha`` before round-to-nearest (so they get
+finer steps) and divides the previous operation's output by ``s`` (so the
+float model computes exactly the same function). ``alpha`` is searched per
+group of layers sharing an input, on calibration activations, minimising the
+output error of the quantized layers. Scales fold into, per Llama decoder layer:
+
+* ``input_layernorm`` for ``q/k/v_proj``; ``post_attention_layernorm`` for
+  ``gate/up_proj``; ``up_proj``'s output rows for ``down_proj``;
+* ``o_proj`` is not scaled (its input comes through attention, and with
+  grouped-query attention one v channel feeds several o_proj columns).
+
+The quantized layers are the same ``Int4Linear`` (tinygemm kernel) as RTN and
+GPTQ, so AWQ points run, time and export like them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from quantlab import calibration
+from quantlab.hardware import Hardware
+from quantlab.schemes import layers
+from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.int4 import GROUP_SIZES
+from quantlab.schemes.int4 import checkpoint as int4_checkpoint
+from quantlab.schemes.int4 import gguf as int4_gguf
+from quantlab.schemes.qlinear import Int4Linear, rtn_int4
+from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
+
+log = logging.getLogger("quantlab")
+ROWS = 512  # activation rows kept per group for the search
+
+
+@dataclass
+class AWQScheme(WeightScheme):
+    group_size: int = 32
+    symmetric: bool = False
+    grid: int = 20  # alpha in {0, 1/grid, ..., 1}; alpha = 0 is plain RTN
+    calibration: str = "wiki"
+    n_samples: int = 16
+    seq_len: int = 512
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"awq group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
+        if self.grid < 0:
+            raise ValueError(f"awq grid {self.grid}; valid: >= 0 (0: plain round-to-nearest)")
+
+    def short_name(self) -> str:
+        return f"awq-g{self.group_size}{'-sym' if self.symmetric else ''}"
+
+
+def support(cfg: AWQScheme, hw: Hardware) -> Support:
+    if hw.device == "cpu":
+        return Support("real", "AWQ scales, then the same int4 kernel as RTN")
+    return Support("unsupported", f"AWQ int4 packing is CPU-only (tinygemm CPU layout); not {hw.device}")
+
+
+# (module the scale folds into, how: "norm" divides its weight, "rows" divides a linear's output rows; layers)
+GROUPS = (("input_layernorm", "norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+          ("post_attention_layernorm", "norm", ("mlp.gate_proj", "mlp.up_proj")),
+          ("mlp.up_proj", "rows", ("mlp.down_proj",)))
+
+
+def rtn_dequantized(w: torch.Tensor, group_size: int, symmetric: bool) -> torch.Tensor:
+    """``w`` after int4 round-to-nearest, as the kernel reads it back."""
+    q, scale, zero = rtn_int4(w, group_size, symmetric)
+    n, k = w.shape
+    g = (q.reshape(n, k // group_size, group_size).float() - 8) * scale[..., None] + zero[..., None]
+    return g.reshape(n, k)
+
+
+def search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int, symmetric: bool,
+                 grid: int) -> tuple[torch.Tensor, float, float]:
+    """``(s, alpha, error ratio vs RTN)``: the per-input-channel scale
+    ``mean|x|^alpha`` (normalised) that minimises ``sum ||x (Q(W s)/s - W)^T||^2``
+    over the layers sharing input ``x`` ([rows, K], fp32)."""
+    mean = x.abs().mean(0).clamp_min(1e-8)
+    best = (None, 0.0, float("inf"))
+    rtn_err = None
+    for i in range(grid + 1):
+        alpha = i / max(grid, 1)
+        s = mean.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        err = sum(float(((x @ (rtn_dequantized(w * s, group_size, symmetric) / s - w).T) ** 2).sum())
+                  for w in weights)
+        rtn_err = err if i == 0 else rtn_err
+        if err < best[2]:
+            best = (s, alpha, err)
+    return best[0], best[1], best[2] / max(rtn_err, 1e-30)
+
+
+def _capture(model: nn.Module, names: list[str], ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Input rows of the named Linear layers over the calibration batch
+    (a seeded sample of ``ROWS`` rows each, fp32)."""
+    rows: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    hooks = [model.get_submodule(n).register_forward_hook(
+        lambda _m, a, _o, n=n: rows[n].append(a[0].detach().reshape(-1, a[0].shape[-1]).float()))
+        for n in names]
+    try:
+        for row in ids:
+            model(input_ids=row[None], use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for n, parts in rows.items():
+        x = torch.cat(parts)
+        out[n] = x[torch.randperm(len(x), generator=gen)[:ROWS]]
+    return out
+
+
+@torch.inference_mode()
+def apply(model: nn.Module, cfg: AWQScheme, ctx: ApplyContext) -> Applied:
+    dtype = getattr(torch, cfg.compute_dtype)
+    model.float()
+    selected = dict(layers.select(model, cfg.skip))
+    layers.check_group_size(list(selected.items()), cfg.group_size, cfg.short_name())
+    ids, tags = calibration.batch_or_builtin(cfg.calibration, "awq", ctx, cfg.n_samples, cfg.seq_len)
+    decoder = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(decoder, nn.ModuleList):
+        raise ValueError(f"AWQ: {type(model).__name__} has no model.layers ModuleList")
+    prefix = {id(m): n for n, m in model.named_modules()}
+    plan = []  # (layer, fold module name, how, [linear names]) for groups whose layers are all selected
+    for layer in decoder:
+        base = prefix[id(layer)]
+        for fold, how, members in GROUPS:
+            if all(f"{base}.{m}" in selected for m in members):
+                plan.append((layer, fold, how, members))
+    inputs = _capture(model, [f"{prefix[id(layer)]}.{members[0]}" for layer, _, _, members in plan], ids)
+    ratios, alphas = [], []
+    for layer, fold, how, members in plan:
+        x = inputs[f"{prefix[id(layer)]}.{members[0]}"]
+        weights = [layer.get_submodule(m).weight.float() for m in members]
+        s, alpha, ratio = search_scale(x, weights, cfg.group_size, cfg.symmetric, cfg.grid)
+        target = layer.get_submodule(fold)
+        if how == "norm":
+            target.weight.data = (target.weight.float() / s).to(target.weight.dtype)
+        else:
+            target.weight.data = (target.weight.float() / s[:, None]).to(target.weight.dtype)
+        for m in members:
+            lin = layer.get_submodule(m)
+            lin.weight.data = (lin.weight.float() * s).to(lin.weight.dtype)
+        ratios.append(ratio)
+        alphas.append(alpha)
+    for name, lin in selected.items():
+        layers.replace(model, name, Int4Linear.from_linear(lin, cfg.group_size, cfg.symmetric, dtype))
+    layers.cast_parameters(model, dtype)
+    if ratios:
+        tags.update({"awq.groups": str(len(ratios)), "awq.alpha_mean": f"{sum(alphas) / len(alphas):.2f}",
+                     "awq.error_vs_rtn": f"{sum(ratios) / len(ratios):.3f}"})
+        log.info("awq: %d groups scaled, mean alpha %.2f, calibration output error %.3f of RTN's",
+                 len(ratios), sum(alphas) / len(alphas), sum(ratios) / len(ratios))
+    return Applied(backend="quantlab.awq+aten._weight_int4pack_mm_for_cpu", emulated=False, tags=tags)
+
+
+register_weights("awq", AWQScheme, support, apply, checkpoint=int4_checkpoint, gguf=int4_gguf)
