@@ -24,7 +24,7 @@ def store(tmp_path_factory):
     d = tmp_path_factory.mktemp("exp")
     uri = f"sqlite:///{d}/m.db"
     ids = {}
-    for scheme in ("int8", "int4-g32", "int4-g32-sym", "fp8-e4m3", "fp8-w8a8", "bf16"):
+    for scheme in ("int8", "int4-g32", "int4-g32-sym", "fp8-e4m3", "fp8-w8a8", "bf16", "awq-g32"):
         cfg = compose_cfg(["model=tiny", f"scheme/weights={scheme}", f"tracking.uri={uri}",
                            f"tracking.artifact_root={d}/a", "probe.latency.repeats=1", "probe.latency.stages=false",
                            "probe.cache.enabled=false"])
@@ -35,6 +35,7 @@ def store(tmp_path_factory):
 @pytest.mark.parametrize("scheme,fmt", [("int8", "compressed-tensors/int-quantized"),
                                         ("int4-g32", "compressed-tensors/pack-quantized"),
                                         ("int4-g32-sym", "compressed-tensors/pack-quantized"),
+                                        ("awq-g32", "compressed-tensors/pack-quantized"),
                                         ("fp8-e4m3", "compressed-tensors/float-quantized"),
                                         ("fp8-w8a8", "compressed-tensors/float-quantized"),
                                         ("bf16", "hf-bfloat16")])
