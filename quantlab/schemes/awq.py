@@ -3,14 +3,10 @@
 Input channels that carry large activations matter more; AWQ multiplies those
 weight columns by ``s = mean|x|^alpha`` before round-to-nearest (so they get
 finer steps) and divides the previous operation's output by ``s`` (so the
-float model computes exactly the same function). ``alpha`` is searched per
-group of layers sharing an input, on calibration activations, minimising the
-output error of the quantized layers. Scales fold into, per Llama decoder layer:
-
-* ``input_layernorm`` for ``q/k/v_proj``; ``post_attention_layernorm`` for
-  ``gate/up_proj``; ``up_proj``'s output rows for ``down_proj``;
-* ``o_proj`` is not scaled (its input comes through attention, and with
-  grouped-query attention one v channel feeds several o_proj columns).
+float model computes exactly the same function; where the scales fold:
+``schemes.smoothing``). ``alpha`` is searched per group of layers sharing an
+input, on calibration activations, minimising the output error of the
+quantized layers.
 
 The quantized layers are the same ``Int4Linear`` (tinygemm kernel) as RTN and
 GPTQ, so AWQ points run, time and export like them.
@@ -25,7 +21,7 @@ from torch import nn
 
 from quantlab import calibration
 from quantlab.hardware import Hardware
-from quantlab.schemes import layers
+from quantlab.schemes import layers, smoothing
 from quantlab.schemes.base import WeightScheme
 from quantlab.schemes.int4 import GROUP_SIZES
 from quantlab.schemes.int4 import checkpoint as int4_checkpoint
@@ -64,12 +60,6 @@ def support(cfg: AWQScheme, hw: Hardware) -> Support:
     return Support("unsupported", f"AWQ int4 packing is CPU-only (tinygemm CPU layout); not {hw.device}")
 
 
-# (module the scale folds into, how: "norm" divides its weight, "rows" divides a linear's output rows; layers)
-GROUPS = (("input_layernorm", "norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-          ("post_attention_layernorm", "norm", ("mlp.gate_proj", "mlp.up_proj")),
-          ("mlp.up_proj", "rows", ("mlp.down_proj",)))
-
-
 def rtn_dequantized(w: torch.Tensor, group_size: int, symmetric: bool) -> torch.Tensor:
     """``w`` after int4 round-to-nearest, as the kernel reads it back."""
     q, scale, zero = rtn_int4(w, group_size, symmetric)
@@ -98,25 +88,16 @@ def search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int, 
     return best[0], best[1], best[2] / max(rtn_err, 1e-30)
 
 
-def _capture(model: nn.Module, names: list[str], ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Input rows of the named Linear layers over the calibration batch
-    (a seeded sample of ``ROWS`` rows each, fp32)."""
-    rows: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    hooks = [model.get_submodule(n).register_forward_hook(
-        lambda _m, a, _o, n=n: rows[n].append(a[0].detach().reshape(-1, a[0].shape[-1]).float()))
-        for n in names]
-    try:
-        for row in ids:
-            model(input_ids=row[None], use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    gen = torch.Generator().manual_seed(0)
-    out = {}
-    for n, parts in rows.items():
-        x = torch.cat(parts)
-        out[n] = x[torch.randperm(len(x), generator=gen)[:ROWS]]
-    return out
+def _row_sampler(calls: int):
+    """A ``smoothing.capture`` reducer keeping ``ROWS / calls`` seeded random
+    rows of each calibration window: ~``ROWS`` rows, every window alike."""
+    per_call, gen = -(-ROWS // calls), torch.Generator().manual_seed(0)
+
+    def reduce(rows: torch.Tensor, so_far: torch.Tensor | None) -> torch.Tensor:
+        picked = rows[torch.randperm(len(rows), generator=gen)[:per_call]]
+        return picked if so_far is None else torch.cat([so_far, picked])
+
+    return reduce
 
 
 @torch.inference_mode()
@@ -126,30 +107,13 @@ def apply(model: nn.Module, cfg: AWQScheme, ctx: ApplyContext) -> Applied:
     selected = dict(layers.select(model, cfg.skip))
     layers.check_group_size(list(selected.items()), cfg.group_size, cfg.short_name())
     ids, tags = calibration.batch_or_builtin(cfg.calibration, "awq", ctx, cfg.n_samples, cfg.seq_len)
-    decoder = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(decoder, nn.ModuleList):
-        raise ValueError(f"AWQ: {type(model).__name__} has no model.layers ModuleList")
-    prefix = {id(m): n for n, m in model.named_modules()}
-    plan = []  # (layer, fold module name, how, [linear names]) for groups whose layers are all selected
-    for layer in decoder:
-        base = prefix[id(layer)]
-        for fold, how, members in GROUPS:
-            if all(f"{base}.{m}" in selected for m in members):
-                plan.append((layer, fold, how, members))
-    inputs = _capture(model, [f"{prefix[id(layer)]}.{members[0]}" for layer, _, _, members in plan], ids)
+    groups = smoothing.plan(model, set(selected), "AWQ")
+    inputs = smoothing.capture(model, [first for *_, first in groups], ids, _row_sampler(len(ids)))
     ratios, alphas = [], []
-    for layer, fold, how, members in plan:
-        x = inputs[f"{prefix[id(layer)]}.{members[0]}"]
+    for layer, fold_name, how, members, first in groups:
         weights = [layer.get_submodule(m).weight.float() for m in members]
-        s, alpha, ratio = search_scale(x, weights, cfg.group_size, cfg.symmetric, cfg.grid)
-        target = layer.get_submodule(fold)
-        if how == "norm":
-            target.weight.data = (target.weight.float() / s).to(target.weight.dtype)
-        else:
-            target.weight.data = (target.weight.float() / s[:, None]).to(target.weight.dtype)
-        for m in members:
-            lin = layer.get_submodule(m)
-            lin.weight.data = (lin.weight.float() * s).to(lin.weight.dtype)
+        s, alpha, ratio = search_scale(inputs[first], weights, cfg.group_size, cfg.symmetric, cfg.grid)
+        smoothing.fold(layer, fold_name, how, members, s)
         ratios.append(ratio)
         alphas.append(alpha)
     for name, lin in selected.items():

@@ -177,3 +177,40 @@ class FP8Linear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         return self.weight_fp8.float() * self.scale[:, None]
+
+
+class Int8DynLinear(nn.Module):
+    """W8A8 INT8: int8 weights per output channel and int8 activations with a
+    dynamic per-token scale, multiplied by ``torch._int_mm`` (int8 x int8 ->
+    int32, a real integer GEMM on CPU), then rescaled by both scales."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 compute_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.compute_dtype = compute_dtype
+        self.register_buffer("qweight_t", q.T.contiguous())  # [K, N] int8, as _int_mm takes it
+        self.register_buffer("scale", scale.float())  # [N] fp32
+        self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype) -> "Int8DynLinear":
+        q, scale = rtn_int8(linear.weight.detach().float())
+        return cls(q, scale, linear.bias, compute_dtype)
+
+    @staticmethod
+    def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(int8 [M, K], scale [M, 1])`` with ``x ~= q * scale`` per row (token)."""
+        s = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-8) / 127.0
+        return torch.round(x.float() / s).clamp(-127, 127).to(torch.int8), s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xq, sx = self.quantize_tokens(x.reshape(-1, shape[-1]))
+        y = (torch._int_mm(xq, self.qweight_t).float() * sx * self.scale).to(self.compute_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight_t.T.float() * self.scale[:, None]
