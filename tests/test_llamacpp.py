@@ -205,3 +205,18 @@ def test_gptq_gguf_perplexity_in_a_fresh_process(tmp_path, model_args, tol):
     assert proc.returncode == 0, proc.stderr[-2000:]
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])["ppl_token_wikitext2_w256"]
     assert theirs == pytest.approx(ours, rel=tol)
+
+
+def test_extra_buffers_off_only_where_amx_crashes_llama_cpp():
+    """llama-cpp-python 0.3.36 built on an AMX-INT8 CPU segfaults in its first
+    quantized decode with the extra buffer types on (seen in CI): off there, on elsewhere."""
+    import llama_cpp.llama_cpp as low
+
+    from quantlab.targets.llamacpp import _model_params, extra_buffers_ok
+
+    assert not extra_buffers_ok(frozenset({"avx512f", "amx_int8", "amx_tile"}))
+    assert extra_buffers_ok(frozenset({"avx512f", "avx512_vnni"}))
+    default = low.llama_model_default_params
+    with _model_params(use_extra_bufts=False):
+        assert low.llama_model_default_params().use_extra_bufts is False
+    assert low.llama_model_default_params is default and default().use_extra_bufts is True

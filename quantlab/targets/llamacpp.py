@@ -15,6 +15,7 @@ layout rather than quantlab's per-head scales).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -61,6 +62,36 @@ def _llama_cpp():
     return llama_cpp
 
 
+def extra_buffers_ok(flags: frozenset[str]) -> bool:
+    """Whether llama.cpp may use its extra CPU buffer types (weight repacking,
+    AMX). On CPUs with AMX-INT8, llama-cpp-python 0.3.36 built natively
+    segfaults in its first decode of a Q8_0, Q4_0 or Q4_1 model (measured on
+    SmolLM2 and the tiny test model; BF16 runs), and runs them all with the
+    extra buffers off; elsewhere they stay on (repacking is faster)."""
+    return "amx_int8" not in flags
+
+
+@contextlib.contextmanager
+def _model_params(**fields):
+    """``llama_cpp.Llama`` takes no argument for some model params
+    (``use_extra_bufts``): set them on its defaults while it loads."""
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        for k, v in fields.items():
+            setattr(p, k, v)
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
 class LlamaCppEngine(Engine):
     """A GGUF loaded in llama.cpp; batch 1 (one sequence)."""
 
@@ -70,13 +101,16 @@ class LlamaCppEngine(Engine):
         lc = _llama_cpp()
         ggml = getattr(lc, f"GGML_TYPE_{kv_type}")
         threads = cfg.threads or os.cpu_count() or 1
+        extra = extra_buffers_ok(hardware.cpu_flags())
         try:
-            self.llm = lc.Llama(model_path=str(path), n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
-                                n_threads=threads, n_threads_batch=threads, type_k=ggml, type_v=ggml,
-                                flash_attn=kv_type != "F16", verbose=False)
+            with _model_params(use_extra_bufts=extra):
+                self.llm = lc.Llama(model_path=str(path), n_ctx=cfg.n_ctx, n_batch=cfg.n_batch,
+                                    n_ubatch=cfg.n_batch, n_threads=threads, n_threads_batch=threads, type_k=ggml,
+                                    type_v=ggml, flash_attn=kv_type != "F16", verbose=False)
         except (ValueError, RuntimeError) as e:
             raise UserError(f"llama.cpp cannot load {path}: {str(e).splitlines()[0]}") from e
         super().__init__(vocab_size, cfg.n_ctx)
+        self.metrics["llamacpp/extra_buffers"] = float(extra)
         self.path = Path(path)
         self.n_vocab = self.llm.n_vocab()
         self.threads = threads
