@@ -303,7 +303,7 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
         raise UserError(f"{out} exists; pass --force to replace it")
     run = client.get_run(run_id)
     cfg = _run_config(client, run_id)
-    checkpoint_mapping(cfg.scheme.weights)  # refuse a scheme without a format before rebuilding it
+    spec = checkpoint_mapping(cfg.scheme.weights)  # refuse a scheme without a format before rebuilding it
     log.info("export: rebuilding %s from run %s", run.info.run_name, run_id)
     if cfg.scheme.kv.short_name():
         log.info("export: %s is a KV-cache setting of the runtime, not part of a checkpoint: the export holds "
@@ -317,8 +317,7 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
         point_logits, greedy = logits_and_greedy(model, ids)  # the point's own text, compared for information
         float_model, dense = dense_twins(model, cfg, reload_dtype(cfg))
         # W8A8 quantizes activations at run time, in the point and in the reload alike, not in a dense twin
-        activations = "input_activations" in checkpoint_mapping(cfg.scheme.weights)
-        logits = point_logits if activations else logits_and_greedy(dense, ids)[0]
+        logits = point_logits if "input_activations" in spec else logits_and_greedy(dense, ids)[0]
         float_logits = logits_and_greedy(float_model, ids)[0]
         point_from_float = float(kl_per_token(float_logits, logits).mean())
         del float_model, dense

@@ -74,7 +74,7 @@ def _kl(ref_logp: torch.Tensor, logits: torch.Tensor) -> float:
 def _dense(q: torch.nn.Module, lin: torch.nn.Linear) -> torch.nn.Linear:
     """An fp32 ``nn.Linear`` holding the weights ``q`` computes with."""
     dense = torch.nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
-    dense.weight.data = q.dequantize().float().contiguous() if hasattr(q, "dequantize") else lin.weight.data.float()
+    dense.weight.data = q.dequantize().float().contiguous()
     if lin.bias is not None:
         dense.bias.data = lin.bias.data.float()
     return dense

@@ -74,18 +74,16 @@ def search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int, 
     ``mean|x|^alpha`` (normalised) that minimises ``sum ||x (Q(W s)/s - W)^T||^2``
     over the layers sharing input ``x`` ([rows, K], fp32)."""
     mean = x.abs().mean(0).clamp_min(1e-8)
-    best = (None, 0.0, float("inf"))
-    rtn_err = None
+    tried = []  # (error, alpha, s); alpha = 0 first: plain RTN
     for i in range(grid + 1):
         alpha = i / max(grid, 1)
         s = mean.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()
         err = sum(float(((x @ (rtn_dequantized(w * s, group_size, symmetric) / s - w).T) ** 2).sum())
                   for w in weights)
-        rtn_err = err if i == 0 else rtn_err
-        if err < best[2]:
-            best = (s, alpha, err)
-    return best[0], best[1], best[2] / max(rtn_err, 1e-30)
+        tried.append((err, alpha, s))
+    err, alpha, s = min(tried, key=lambda t: t[0])
+    return s, alpha, err / max(tried[0][0], 1e-30)
 
 
 def _row_sampler(calls: int):
