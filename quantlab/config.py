@@ -170,6 +170,47 @@ class CacheProbeConfig:
 
 
 @dataclass
+class SLOConfig:
+    """Service-level objectives a request must meet to count as goodput."""
+
+    ttft_ms: Optional[float] = field(default=None, metadata={"above": 0})
+    tpot_ms: Optional[float] = field(default=None, metadata={"above": 0})
+
+
+@dataclass
+class LoadProbeConfig:
+    """Open-loop load (:mod:`quantlab.probes.load`). ``rates``: requests/s, or
+    ``auto`` (``auto_fractions`` of each policy's measured capacity).
+    ``policies``: ``continuous`` (transformers' scheduler), ``dynamic``
+    (quantlab's reference batcher: ``max_batch``, ``max_wait_ms``),
+    ``passthrough`` (one request at a time). ``goodput`` needs both SLOs.
+    ``kv_budget_mb``: also find how many ``kv_context``-token sequences the
+    point's KV cache fits in that budget (by allocating) and time a batch of
+    that many (at most ``kv_max_batch``)."""
+
+    enabled: bool = False
+    rates: Any = "auto"
+    auto_fractions: list[float] = field(default_factory=lambda: [0.5, 0.8, 1.0, 1.3], metadata={"above": 0})
+    arrival: str = "poisson"
+    duration_s: float = field(default=10.0, metadata={"above": 0})
+    min_requests: int = field(default=12, metadata={"min": 1})  # a rate lasts max(duration_s, min_requests / rate)
+    drain_s: float = field(default=20.0, metadata={"above": 0})
+    max_backlog: int = field(default=24, metadata={"min": 1})
+    warmup_requests: int = field(default=2, metadata={"min": 1})
+    prompt_tokens: int = field(default=64, metadata={"min": 1})
+    new_tokens: int = field(default=16, metadata={"min": 1})
+    policies: list[str] = field(default_factory=lambda: ["continuous", "dynamic", "passthrough"])
+    max_batch: int = field(default=8, metadata={"min": 1})
+    max_wait_ms: float = field(default=20.0, metadata={"min": 0})
+    goodput: bool = True
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    kv_budget_mb: Optional[float] = field(default=None, metadata={"above": 0})
+    kv_context: int = field(default=512, metadata={"min": 2})
+    kv_max_batch: int = field(default=32, metadata={"min": 1})
+    lateness_check_rps: float = field(default=50.0, metadata={"above": 0})
+
+
+@dataclass
 class ProbeConfig:
     name: str = MISSING
     latency: LatencyProbeConfig = field(default_factory=LatencyProbeConfig)
@@ -177,6 +218,7 @@ class ProbeConfig:
     accuracy: AccuracyProbeConfig = field(default_factory=AccuracyProbeConfig)
     perplexity: PerplexityProbeConfig = field(default_factory=PerplexityProbeConfig)
     cache: CacheProbeConfig = field(default_factory=CacheProbeConfig)
+    load: LoadProbeConfig = field(default_factory=LoadProbeConfig)
 
 
 @dataclass
@@ -234,6 +276,8 @@ def validate(cfg: Any, path: str = "") -> None:
     the field, its value and the valid range."""
     if isinstance(cfg, ModelConfig) and cfg.source in ("hf", "gguf") and not cfg.path:
         raise ValueError(MODEL_PATH_HINT)
+    if isinstance(cfg, LoadProbeConfig):
+        _validate_load(cfg, path)
     if isinstance(cfg, LatencyProbeConfig) and cfg.max_repeats < cfg.repeats:
         raise ValueError(f"{path}max_repeats={cfg.max_repeats}: must be >= {path}repeats ({cfg.repeats})")
     for f in dataclasses.fields(cfg):
@@ -248,3 +292,20 @@ def validate(cfg: Any, path: str = "") -> None:
                 raise ValueError(f"{name}={value}: must be >= {f.metadata['min']}")
             if "above" in f.metadata and v <= f.metadata["above"]:
                 raise ValueError(f"{name}={value}: must be > {f.metadata['above']}")
+
+
+def _validate_load(cfg: LoadProbeConfig, path: str) -> None:
+    from quantlab.probes.load import POLICIES
+
+    rates = cfg.rates
+    if rates != "auto" and (not isinstance(rates, list) or not rates
+                            or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0
+                                       for r in rates)):
+        raise ValueError(f"{path}rates={rates}: must be auto or a list of request rates > 0 (requests/s)")
+    if cfg.arrival not in ("poisson", "constant"):
+        raise ValueError(f"{path}arrival={cfg.arrival!r}: valid: poisson, constant")
+    if bad := [p for p in cfg.policies if p not in POLICIES]:
+        raise ValueError(f"{path}policies: unknown {', '.join(map(repr, bad))}; valid: {', '.join(POLICIES)}")
+    if cfg.enabled and cfg.goodput and (cfg.slo.ttft_ms is None or cfg.slo.tpot_ms is None):
+        raise ValueError(f"{path}goodput=true needs {path}slo.ttft_ms and {path}slo.tpot_ms "
+                         f"(or {path}goodput=false)")

@@ -21,18 +21,21 @@ import logging
 import multiprocessing
 import os
 import signal
+import tempfile
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import yaml
 
-from quantlab import checkpoint, hardware, models, provenance, targets, tracking
+from quantlab import checkpoint, hardware, models, plots, provenance, targets, tracking
 from quantlab.config import RunConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
 from quantlab.measurement import Measurement
-from quantlab.probes import accuracy, corpus, energy, fidelity, latency, perplexity, roofline, size, stages
+from quantlab.probes import (accuracy, corpus, energy, fidelity, kv_capacity, latency, load, perplexity, roofline,
+                             size, stages)
 from quantlab.probes import cache as cache_probe
 from quantlab.schemes.registry import ApplyContext, kv_handler
 
@@ -227,6 +230,8 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
             _cache(cfg, name, engine, model.config, tok, compute_bytes, m)
             if cfg.probe.latency.enabled:
                 _latency(cfg, name, engine, tok, m)
+            if cfg.probe.load.enabled:
+                _load(cfg, name, engine, tok, m)
         finally:
             engine.close()
     log.info("[%s] done: %s", name, _headline(m.metrics))
@@ -337,6 +342,36 @@ def _latency(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
         m.artifacts["stages.csv"] = csv
     m.metrics.update(out)
     m.tags.update(tags)
+
+
+def _load(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
+    """Open-loop load per policy and rate, then (with a budget) KV capacity."""
+    lc = cfg.probe.load
+    c = "auto" if cfg.data_dir else "builtin"
+    ids = corpus.token_ids(tok, c, max(lc.prompt_tokens * 16, lc.kv_context), cfg.data_dir)[0]
+    prompts = [ids[i * lc.prompt_tokens:(i + 1) * lc.prompt_tokens] for i in range(16)]
+    weights = m.metrics.get("size/runtime_weight_bytes", m.metrics["size/weight_bytes"]) \
+        - m.metrics.get("size/embedding_unread_bytes", 0.0)
+    peak = 0.0 if engine.cannot("roofline") else roofline.host_bandwidth(cfg.cache_dir, engine.device)
+    log.info("[%s] load probe (%s, %s arrivals, %g s per rate, policies %s)", name,
+             "rates auto" if lc.rates == "auto" else f"rates {lc.rates}", lc.arrival, lc.duration_s,
+             ",".join(lc.policies))
+    metrics, rows, tags = load.measure(engine, prompts, lc, weights, peak, cfg.seed,
+                                       lambda line: log.info("[%s] load: %s", name, line))
+    m.metrics.update(metrics)
+    m.tags.update(tags)
+    if rows:
+        m.artifacts["load.csv"] = load.csv_text(rows)
+        series = {p: [r for r in rows if r["policy"] == p] for p in dict.fromkeys(r["policy"] for r in rows)}
+        slo = {"ttft_ms": lc.slo.ttft_ms, "tpot_ms": lc.slo.tpot_ms}
+        with tempfile.TemporaryDirectory() as d:
+            m.artifacts["load.png"] = plots.load_png(series, Path(d) / "load.png", f"{name}: load", slo).read_bytes()
+            m.artifacts["load.html"] = plots.load_html(series, Path(d) / "load.html", f"{name}: load").read_text()
+    if lc.kv_budget_mb is not None and (why := engine.cannot("cache")):
+        m.tags["load.kv_capacity.skipped"] = why
+    elif lc.kv_budget_mb is not None:
+        log.info("[%s] KV capacity in %g MiB at %d tokens", name, lc.kv_budget_mb, lc.kv_context)
+        m.metrics.update(kv_capacity.measure(engine, ids, lc))
 
 
 def _headline(m: dict[str, float]) -> str:

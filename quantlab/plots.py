@@ -105,3 +105,66 @@ def html(panels: dict[str, list[Point]], loss_label: str, path: Path, title: str
     # frame on machines that often have no route to a CDN
     fig.write_html(str(path), include_plotlyjs=True, full_html=True)
     return path
+
+
+LOAD_PANELS = (("ttft_ms_p99", "TTFT P99 [ms]"), ("itl_ms_p99", "inter-token latency P99 [ms]"),
+               ("achieved_rps", "achieved [requests/s]"))
+
+
+def load_png(series: dict[str, list[dict]], path: Path, title: str, slo: dict[str, float | None]) -> Path:
+    """P99 TTFT, P99 ITL and achieved rate against offered rate, one line per
+    series (a policy, or point/policy); rates that ended early (saturated)
+    are drawn as hollow markers; the SLOs as dashed lines; achieved == offered
+    as a dotted diagonal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(LOAD_PANELS), figsize=(6 * len(LOAD_PANELS), 4.6), squeeze=False)
+    for ax, (key, label) in zip(axes[0], LOAD_PANELS):
+        for name, rows in series.items():
+            rows = sorted(rows, key=lambda r: r["offered_rps"])
+            line, = ax.plot([r["offered_rps"] for r in rows], [r.get(key, float("nan")) for r in rows], "-o", ms=4,
+                            label=name)
+            ended = [r for r in rows if r.get("stopped")]
+            ax.scatter([r["offered_rps"] for r in ended], [r.get(key, float("nan")) for r in ended], s=70,
+                       facecolors="none", edgecolors=line.get_color())
+        limit = {"ttft_ms_p99": slo.get("ttft_ms"), "itl_ms_p99": slo.get("tpot_ms")}.get(key)
+        if limit:
+            ax.axhline(limit, ls="--", c="gray", lw=1, label="SLO")
+        if key == "achieved_rps":
+            top = max((r["offered_rps"] for rows in series.values() for r in rows), default=1.0)
+            ax.plot([0, top], [0, top], ":", c="gray", lw=1, label="achieved = offered")
+        elif any(r.get(key, 0) > 0 for rows in series.values() for r in rows):
+            ax.set_yscale("log")
+        ax.set_xlabel("offered [requests/s]")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="best")
+    fig.suptitle(title + " (hollow: rate ended early, saturated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def load_html(series: dict[str, list[dict]], path: Path, title: str) -> Path:
+    import plotly.graph_objects as go
+    from plotly.colors import qualitative
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=len(LOAD_PANELS), subplot_titles=[label for _, label in LOAD_PANELS])
+    for col, (key, label) in enumerate(LOAD_PANELS, start=1):
+        for i, (name, rows) in enumerate(series.items()):
+            rows = sorted(rows, key=lambda r: r["offered_rps"])
+            fig.add_trace(go.Scatter(
+                x=[r["offered_rps"] for r in rows], y=[r.get(key) for r in rows], mode="lines+markers", name=name,
+                legendgroup=name, showlegend=col == 1, line=dict(color=qualitative.Plotly[i % len(qualitative.Plotly)]),
+                text=[r.get("stopped") or "" for r in rows],
+                hovertemplate=f"{name}<br>offered %{{x:.3g}}/s<br>{label} %{{y:.4g}}<br>%{{text}}<extra></extra>"),
+                row=1, col=col)
+        fig.update_xaxes(title_text="offered [requests/s]", row=1, col=col)
+    fig.update_layout(title=title, height=480)
+    fig.write_html(str(path), include_plotlyjs=True, full_html=True)
+    return path

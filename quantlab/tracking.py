@@ -210,10 +210,14 @@ def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
 
 
 @retry
-def log_text(client: MlflowClient, run_id: str, text: str, name: str) -> None:
+def log_text(client: MlflowClient, run_id: str, text: str | bytes, name: str) -> None:
+    """One artifact ``name`` holding ``text`` (bytes are written as they are: a PNG)."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / name
-        path.write_text(text)
+        if isinstance(text, bytes):
+            path.write_bytes(text)
+        else:
+            path.write_text(text)
         client.log_artifact(run_id, str(path))
 
 

@@ -14,8 +14,10 @@ import torch
 
 from quantlab.decode import Clock, Decoded, greedy
 
-# What a probe may ask beyond logits/decode; ``cannot`` answers each.
-CAPABILITIES = ("cache", "stages", "roofline", "energy")
+# What a probe may ask beyond logits/decode; ``cannot`` answers each. ``batch``:
+# decode several sequences in one call; ``continuous``: serve through
+# transformers' continuous-batching scheduler over ``engine.model``.
+CAPABILITIES = ("cache", "stages", "roofline", "energy", "batch", "continuous")
 
 
 class Engine(abc.ABC):

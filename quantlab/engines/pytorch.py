@@ -45,6 +45,11 @@ class TorchEngine(Engine):
             return super().cannot(probe)
         if probe == "stages" and self.compiled:
             return "compiled: per-module timing hooks would split the compiled graph and time another program"
+        if probe == "continuous" and (self.compiled or self.static):
+            return "transformers' continuous batching runs the eager model with its own paged cache"
+        if probe == "continuous" and self.cache_factory is not DynamicCache:
+            return ("transformers' paged cache keeps K/V in the compute dtype: the point's quantized KV cache "
+                    "would not apply (dynamic and passthrough use it)")
         return ""
 
     @torch.inference_mode()

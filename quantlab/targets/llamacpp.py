@@ -120,6 +120,9 @@ class LlamaCppEngine(Engine):
     def cannot(self, probe: str) -> str:
         if probe == "stages":
             return "llama.cpp runs a whole step natively: no per-module timing"
+        if probe in ("batch", "continuous"):
+            return ("llama-cpp-python's Llama decodes one sequence; llama.cpp's parallel slots are llama-server's, "
+                    "not driven here: only passthrough serves this point")
         if probe == "cache":
             return ("llama.cpp attends through its (quantized) cache in every forward, so it has no cache-free "
                     "reference: compare fid/* and perplexity against the f16-cache point")

@@ -1,0 +1,253 @@
+"""The load probe: arrival schedules, the generator, the batching policies,
+the load table's figures, the knee, KV capacity by allocation, the config's
+errors, and what a serving point and its report log to MLflow."""
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import mlflow
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantlab import models, report, tracking
+from quantlab.config import LoadProbeConfig, ModelConfig, SLOConfig, validate
+from quantlab.decode import Decoded
+from quantlab.engines.pytorch import TorchEngine
+from quantlab.probes import kv_capacity, load
+from quantlab.schemes.kv import Int8KV, NoKV, cache_factory
+from tests.conftest import compose_cfg, run_cli
+
+
+@given(rate=st.floats(0.5, 200), duration=st.floats(0.1, 20), seed=st.integers(0, 10**6))
+@settings(max_examples=50, deadline=None)
+def test_poisson_schedule_is_sorted_inside_the_window(rate, duration, seed):
+    dues = load.schedule(rate, duration, "poisson", random.Random(seed))
+    assert dues[0] == 0.0 and dues == sorted(dues)
+    assert all(0 <= t < duration for t in dues[1:])
+
+
+def test_poisson_count_matches_the_rate():
+    counts = [len(load.schedule(20.0, 10.0, "poisson", random.Random(s))) for s in range(200)]
+    mean = sum(counts) / len(counts)
+    assert abs(mean - 200) < 3 * math.sqrt(200 / len(counts)) + 1  # Poisson: mean 200 (+1 for the t=0 arrival)
+
+
+def test_constant_schedule_and_bad_rates():
+    assert load.schedule(4.0, 1.0, "constant", random.Random(0)) == [0.0, 0.25, 0.5, 0.75]
+    with pytest.raises(ValueError, match="must be > 0"):
+        load.schedule(0.0, 1.0, "poisson", random.Random(0))
+    with pytest.raises(ValueError, match="valid: poisson, constant"):
+        load.schedule(1.0, 1.0, "burst", random.Random(0))
+
+
+def test_generator_never_submits_early():
+    late = load.generator_lateness_ms(200.0, n=40)
+    assert late.min() >= 0.0 and late.size == 40
+
+
+class StepEngine:
+    """Decodes any batch in ``prefill_ms + (n-1) x step_ms`` of real time
+    (sleeps), so the policies' bookkeeping can be checked against the clock."""
+
+    def __init__(self, prefill_ms: float = 20.0, step_ms: float = 5.0):
+        self.prefill_ms, self.step_ms, self.batches = prefill_ms, step_ms, []
+
+    def clock(self):
+        from quantlab.decode import Clock
+        return Clock()
+
+    def decode(self, prompt, n_new, clock=None):
+        self.batches.append(prompt.shape[0])
+        time.sleep((self.prefill_ms + (n_new - 1) * self.step_ms) / 1e3)
+        return Decoded(self.prefill_ms, [self.step_ms] * (n_new - 1))
+
+    def cannot(self, probe):
+        return ""
+
+
+PROMPTS = [torch.arange(8) + i for i in range(4)]
+LIMITS = load.Limits(max_backlog=100, drain_s=10)
+
+
+def test_passthrough_serves_one_at_a_time_in_order():
+    eng = StepEngine()
+    reqs, stopped = load.run_rate(load.BatchPolicy(eng, 1, 0), PROMPTS, 4, 1000.0, 0.005, "constant", LIMITS, 0)
+    assert stopped == "" and all(r.done for r in reqs) and set(eng.batches) == {1}
+    starts = [r.start_s for r in reqs]
+    assert starts == sorted(starts)
+    for r in reqs:  # TTFT = the queue wait + prefill; tokens step_ms apart
+        assert r.tokens_s[0] - r.start_s == pytest.approx(0.020, abs=1e-6)
+        assert [round(b - a, 6) for a, b in zip(r.tokens_s, r.tokens_s[1:])] == [0.005] * 3
+        assert r.sent_s >= r.due_s
+    # the last of five simultaneous requests waited for the four before it
+    assert reqs[-1].tokens_s[0] - reqs[-1].sent_s > 4 * 0.035
+
+
+def test_dynamic_batcher_groups_requests_up_to_max_batch():
+    eng = StepEngine()
+    reqs, stopped = load.run_rate(load.BatchPolicy(eng, 4, 50.0), PROMPTS, 3, 1000.0, 0.010, "constant", LIMITS, 0)
+    assert stopped == "" and len(reqs) == 10 and all(r.done for r in reqs)
+    assert max(eng.batches) == 4 and sum(eng.batches) == 10
+    assert {r.batch for r in reqs} <= set(eng.batches)
+
+
+def test_saturated_rate_ends_with_its_reason_not_a_hang():
+    eng = StepEngine(prefill_ms=50, step_ms=10)
+    t = time.perf_counter()
+    reqs, stopped = load.run_rate(load.BatchPolicy(eng, 1, 0), PROMPTS, 4, 200.0, 2.0, "poisson",
+                                  load.Limits(max_backlog=5, drain_s=5), 0)
+    assert time.perf_counter() - t < 3.0
+    assert stopped.startswith("saturated: ") and "max_backlog=5" in stopped
+    row = load.summarize(reqs, 200.0, stopped, 0, 0.0, 0.0, None, None)
+    assert row["completed"] < row["requests"] and row["achieved_rps"] < 0.5 * row["sent_rps"]
+
+
+def _req(rid, sent, first, step, n, start=None):
+    r = load.Request(rid, sent, torch.zeros(1), n, sent_s=sent, start_s=start if start is not None else sent)
+    r.tokens_s = [first + i * step for i in range(n)]
+    r.batch = 1
+    return r
+
+
+def test_summary_figures_and_goodput():
+    # four requests 1 s apart, each answered 0.1 s (ok) or 0.5 s (too slow) after arrival
+    reqs = [_req(0, 0.0, 0.1, 0.01, 3), _req(1, 1.0, 1.5, 0.01, 3), _req(2, 2.0, 2.1, 0.05, 3),
+            _req(3, 3.0, 3.1, 0.01, 3)]
+    row = load.summarize(reqs, 1.0, "", steps=12, bytes_per_step=1e9, peak_bytes_per_s=10e9,
+                         slo_ttft_ms=200, slo_tpot_ms=20)
+    assert row["sent_rps"] == pytest.approx(1.0)
+    span = 3.12 - 0.0
+    assert row["makespan_rps"] == pytest.approx(4 / span)
+    ends = [0.12, 1.52, 2.2, 3.12]
+    assert row["achieved_rps"] == pytest.approx(3 / (ends[-1] - ends[0]))
+    assert row["ttft_ms_p50"] == pytest.approx(100.0)
+    assert row["goodput_rps"] == pytest.approx(2 / span)  # #1 misses TTFT, #2 misses TPOT
+    assert row["goodput_frac"] == pytest.approx(0.5)
+    assert row["bw_gb_s"] == pytest.approx(12 * 1e9 / span / 1e9)
+    assert row["bw_util"] == pytest.approx(row["bw_gb_s"] / 10)
+    assert "goodput_rps" not in load.summarize(reqs, 1.0, "", 0, 0.0, 0.0, None, None)
+
+
+def test_knee_needs_kept_up_unstopped_and_within_slo():
+    rows = [{"offered_rps": 1.0, "sent_rps": 1.0, "achieved_rps": 1.0, "stopped": "", "ttft_ms_p99": 100},
+            {"offered_rps": 2.0, "sent_rps": 2.0, "achieved_rps": 1.95, "stopped": "", "ttft_ms_p99": 400},
+            {"offered_rps": 3.0, "sent_rps": 3.0, "achieved_rps": 2.0, "stopped": "", "ttft_ms_p99": 450},
+            {"offered_rps": 4.0, "sent_rps": 4.0, "achieved_rps": 4.0, "stopped": "saturated: x", "ttft_ms_p99": 90}]
+    assert load.knee(rows, 500) == 2.0
+    assert load.knee(rows, 200) == 1.0
+    assert load.knee(rows, 50) == 0.0
+    assert load.knee(rows, None) == 2.0
+
+
+def test_csv_round_trip():
+    reqs = [_req(0, 0.0, 0.1, 0.01, 3), _req(1, 1.0, 1.1, 0.01, 3)]
+    row = {"policy": "dynamic", **load.summarize(reqs, 1.0, "", 6, 1.0, 1.0, 150, 20)}
+    back = load.read_csv(load.csv_text([row]))[0]
+    assert back["policy"] == "dynamic" and back["stopped"] == ""
+    assert back["ttft_ms_p99"] == pytest.approx(row["ttft_ms_p99"], rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.tiny_model(ModelConfig(name="tiny", source="tiny")), models.byte_tokenizer()
+
+
+def test_continuous_policy_serves_through_transformers_and_restores_the_model(tiny):
+    model, _ = tiny
+    attn = model.config._attn_implementation
+    policy = load.ContinuousPolicy(model, max_batch=4, max_tokens=16)
+    try:
+        reqs, stopped = load.run_rate(policy, PROMPTS, 6, 1000.0, 0.008, "constant", LIMITS, 0)
+    finally:
+        policy.close()
+    assert stopped == "" and len(reqs) == 8 and all(len(r.tokens_s) == 6 for r in reqs)
+    assert all(r.tokens_s == sorted(r.tokens_s) and r.tokens_s[0] >= r.sent_s for r in reqs)
+    assert policy.steps >= 6 and max(r.batch for r in reqs) > 1  # they ran beside each other
+    assert model.config._attn_implementation == attn
+
+
+def test_engines_say_which_policies_they_serve(tiny):
+    model, _ = tiny
+    assert load.cannot("continuous", TorchEngine(model)) == ""
+    assert "quantized KV cache" in load.cannot("continuous", TorchEngine(model, cache_factory=cache_factory(Int8KV())))
+    assert "paged cache" in load.cannot("continuous", TorchEngine(model, static=True))
+    from quantlab.targets.llamacpp import LlamaCppEngine
+    eng = LlamaCppEngine.__new__(LlamaCppEngine)
+    assert "one sequence" in load.cannot("dynamic", eng) and load.cannot("passthrough", eng) == ""
+
+
+def test_kv_capacity_is_found_by_allocating(tiny):
+    model, _ = tiny
+    bf16 = TorchEngine(model, cache_factory=cache_factory(NoKV()))
+    int8 = TorchEngine(model, cache_factory=cache_factory(Int8KV()))
+    one = kv_capacity.filled_bytes(bf16, 1, 64)
+    assert kv_capacity.filled_bytes(bf16, 3, 64) == 3 * one
+    budget = 10.5 * one
+    n16, _ = kv_capacity.capacity(bf16, budget, 64)
+    n8, one8 = kv_capacity.capacity(int8, budget, 64)
+    assert n16 == 10
+    assert kv_capacity.filled_bytes(int8, n8, 64) <= budget < kv_capacity.filled_bytes(int8, n8 + 1, 64)
+    assert n8 > 1.5 * n16 and one8 < one
+
+
+def test_kv_budget_too_small_is_one_line(tiny):
+    model, _ = tiny
+    cfg = LoadProbeConfig(kv_budget_mb=0.001, kv_context=256, new_tokens=4)
+    with pytest.raises(ValueError) as e:
+        kv_capacity.measure(TorchEngine(model), torch.arange(256), cfg)
+    assert "holds no sequence of 256 tokens" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"rates": [1.0, 0.0]}, "rates=[1.0, 0.0]: must be auto or a list of request rates > 0"),
+    ({"rates": "fast"}, "rates=fast: must be auto"),
+    ({"policies": ["greedy"]}, "policies: unknown 'greedy'; valid: continuous, dynamic, passthrough"),
+    ({"enabled": True, "slo": SLOConfig(ttft_ms=100)}, "goodput=true needs probe.load.slo.ttft_ms and"),
+    ({"arrival": "bursty"}, "arrival='bursty': valid: poisson, constant"),
+])
+def test_bad_load_config_is_one_line(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        validate(LoadProbeConfig(**kwargs), "probe.load.")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_rejects_bad_rates_in_one_line(tmp_path):
+    proc = run_cli(["model=tiny", "probe.load.enabled=true", "probe.load.rates=[2,-1]",
+                    f"tracking.uri=sqlite:///{tmp_path}/m.db"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("quantlab: invalid config: probe.load.rates=[2, -1]: must be auto")
+
+
+def test_serving_sweep_logs_the_load_table_and_the_report_section(tmp_path):
+    proc = run_cli(["-m", "probe=serving", "scheme/weights=int8", "scheme/kv=none,int8", "model=tiny",
+                    "probe.fidelity.corpus=builtin", "probe.load.duration_s=1", "probe.load.min_requests=4",
+                    "probe.load.auto_fractions=[0.5,1.0]", "probe.load.kv_budget_mb=1",
+                    f"tracking.uri=sqlite:///{tmp_path}/m.db", f"tracking.artifact_root={tmp_path}/art"],
+                   timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    exp = client.get_experiment_by_name("quantlab").experiment_id
+    parent = client.search_runs([exp], "tags.`quantlab.role` = 'sweep'")[0]
+    kids = {r.info.run_name: r for r in tracking.children(client, exp, parent.info.run_id)}
+    assert set(kids) == {"int8@cpu", "int8+kv8@cpu"}
+    plain, kv8 = kids["int8@cpu"], kids["int8+kv8@cpu"]
+    for r in (plain, kv8):
+        arts = {a.path for a in client.list_artifacts(r.info.run_id)}
+        assert {"load.csv", "load.png", "load.html"} <= arts
+        assert r.data.metrics["load/generator_late_ms_p99"] >= 0
+        assert r.data.metrics["load/kv_capacity_seqs"] >= 1
+    rows = load.read_csv(open(client.download_artifacts(plain.info.run_id, "load.csv", str(tmp_path))).read())
+    assert {r["policy"] for r in rows} == {"continuous", "dynamic", "passthrough"} and len(rows) == 6
+    assert "load.continuous.skipped" in kv8.data.tags and "load.continuous.skipped" not in plain.data.tags
+    assert kv8.data.metrics["load/kv_capacity_seqs"] > plain.data.metrics["load/kv_capacity_seqs"]
+    assert plain.data.metrics["load/knee_rps"] == max(
+        plain.data.metrics[f"load/{p}/knee_rps"] for p in ("continuous", "dynamic", "passthrough"))
+    text = report.build(client, exp, parent.info.run_id, log_to_run=False, out_dir=tmp_path / "rep")
+    for heading in ("## Serving", "### 1. Capacity under the SLO", "### 2. Policies at each offered rate",
+                    "### 3. KV capacity", "### 4. Achieved weight bandwidth", "capacity under SLO req/s"):
+        assert heading in text
+    assert (tmp_path / "rep" / "load.png").stat().st_size > 10_000
