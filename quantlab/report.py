@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from quantlab import decision, plots, tracking, uncertainty
+from quantlab import decision, plots, serving_report, tracking, uncertainty
 from quantlab.errors import UserError
 from quantlab.pareto import Point, Recommendation, fastest_within, frontier
 
@@ -66,6 +66,8 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
                     if k.startswith(("acc/", "acc_norm/", "ppl_token_wikitext2_w"))
                     and not k.endswith(("_windows", "_stderr"))})
     columns = [*COLUMNS, *((k, k, "{:.4g}" if k.startswith("ppl") else "{:.3f}") for k in extra)]
+    if any("load/knee_rps" in r.data.metrics for r in runs):
+        columns.append(("capacity under SLO req/s", "load/knee_rps", "{:.2f}"))
     rows = [[h for h, _, _ in columns]]
     for r in runs:
         note = " (baseline)" if base is not None and r.info.run_id == base.info.run_id else ""
@@ -265,6 +267,9 @@ def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
     body = (f"# Sweep {sweep} ({parent_id})\n\n{table(runs, {r.info.run_id for r in reused}, base, items)}\n\n"
             + (paired_text + "\n\n" if paired_text else "") + f"{text}\n\n"
             + next_steps(runs, recs, sweep, parent_id, out, log_to_run) + "\n")
+    serving, serving_files = serving_report.section(client, runs, out, f"quantlab sweep {sweep}: load")
+    if serving:
+        body += "\n" + serving + "\n"
     (out / "report.md").write_text(body)
     panels = {c: points(runs, metric, c, base, items) for c in ("lat/tpot_ms_p50", "size/weight_mb")}
     label = metric if metric.startswith(decision.KL) else f"relative loss on {metric}"
@@ -273,7 +278,7 @@ def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
         plots.png(panels, label, out / "pareto.png", title)
         plots.html(panels, label, out / "pareto.html", title)
     if log_to_run:
-        for f in ("report.md", "pareto.png", "pareto.html"):
+        for f in ("report.md", "pareto.png", "pareto.html", *serving_files):
             if (out / f).is_file():
                 client.log_artifact(parent_id, str(out / f))
         by_name = {r.info.run_name: r.info.run_id for r in runs}

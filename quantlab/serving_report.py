@@ -1,0 +1,117 @@
+"""The sweep report's "Serving" section: what the load probe measured, point
+by point, in four tables, and one P99-against-rate plot overlaying points.
+
+1. Capacity under the SLO per point and policy (burst capacity, knee, goodput).
+2. Policies side by side at each offered rate (P50/P99 TTFT and E2E, batch).
+3. KV capacity: sequences of the context that the KV budget holds per cache.
+4. Achieved memory bandwidth against offered rate per precision, with the knee.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+from mlflow.exceptions import MlflowException
+
+from quantlab import plots, tracking
+from quantlab.probes import load
+
+
+def _rows(client, run) -> list[dict]:
+    try:
+        path = client.download_artifacts(tracking.origin(run), "load.csv", tempfile.mkdtemp(prefix="quantlab-load-"))
+    except MlflowException:
+        return []
+    return load.read_csv(Path(path).read_text())
+
+
+def _fmt(v, spec: str = "{:.2f}") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return spec.format(v)
+
+
+def _md(header: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+                      *("| " + " | ".join(r) + " |" for r in rows)])
+
+
+def section(client, runs, out: Path, title: str) -> tuple[str, list[str]]:
+    """Markdown of the section ('' when no run has a load table) and the plot
+    files written into ``out``."""
+    tables = {r.info.run_name: _rows(client, r) for r in runs if tracking.done(r)}
+    tables = {k: v for k, v in tables.items() if v}
+    by_name = {r.info.run_name: r for r in runs}
+    kv_runs = [r for r in runs if "load/kv_capacity_seqs" in r.data.metrics]
+    if not tables and not kv_runs:
+        return "", []
+    parts = ["## Serving (load probe)"]
+    skipped = [f"- {r.info.run_name}: {k.split('.')[1]} skipped: {v}" for r in runs
+               for k, v in sorted(r.data.tags.items()) if k.startswith("load.") and k.endswith(".skipped")]
+    if tables:
+        head = ["point", "policy", "capacity req/s (burst)", "knee req/s (P99 TTFT within SLO)",
+                "max achieved req/s", "max goodput req/s", "arrivals late P99 ms: idle / under load"]
+        rows = []
+        for name, tab in tables.items():
+            m = by_name[name].data.metrics
+            for policy in dict.fromkeys(r["policy"] for r in tab):
+                rows.append([name, policy, _fmt(m.get(f"load/{policy}/capacity_rps")),
+                             _fmt(m.get(f"load/{policy}/knee_rps")), _fmt(m.get(f"load/{policy}/achieved_rps_max")),
+                             _fmt(m.get(f"load/{policy}/goodput_rps_max")),
+                             _fmt(m.get("load/generator_late_ms_p99"), "{:.2f}") + " / "
+                             + _fmt(m.get(f"load/{policy}/late_ms_p99_max"), "{:.2f}")])
+        parts += ["### 1. Capacity under the SLO", _md(head, rows),
+                  "knee: the highest offered rate that ended normally, kept up (achieved >= 0.9 x arrivals) and "
+                  "met the P99 TTFT SLO. Arrivals late: submitted minus scheduled, with no model running (idle) "
+                  "and the worst rate's P99 while serving. continuous = transformers' scheduler; dynamic = "
+                  "quantlab's reference "
+                  "batcher (max batch, max wait); passthrough = one request at a time."]
+        head = ["point", "policy", "offered", "achieved", "TTFT p50", "TTFT p99", "ITL p99", "E2E p50", "E2E p99",
+                "mean batch", "ended"]
+        rows = [[name, r["policy"], _fmt(r["offered_rps"]), _fmt(r["achieved_rps"]), _fmt(r["ttft_ms_p50"], "{:.0f}"),
+                 _fmt(r["ttft_ms_p99"], "{:.0f}"), _fmt(r["itl_ms_p99"], "{:.0f}"), _fmt(r["e2e_ms_p50"], "{:.0f}"),
+                 _fmt(r["e2e_ms_p99"], "{:.0f}"), _fmt(r["batch_mean"], "{:.1f}"), r["stopped"] or "normally"]
+                for name, tab in tables.items() for r in tab]
+        parts += ["### 2. Policies at each offered rate (requests/s; latencies in ms)", _md(head, rows)]
+    if kv_runs:
+        head = ["point", "KV cache", "MiB per sequence", "sequences in budget", "timed batch", "decode tok/s",
+                "step p50 ms", "step p99 ms"]
+        rows = [[r.info.run_name, r.data.tags.get("backend.kv", "-"), _fmt(r.data.metrics["load/kv_seq_mb"]),
+                 _fmt(r.data.metrics["load/kv_capacity_seqs"], "{:.0f}"),
+                 _fmt(r.data.metrics["load/kv_batch"], "{:.0f}"), _fmt(r.data.metrics["load/kv_decode_tok_s"], "{:.1f}"),
+                 _fmt(r.data.metrics["load/kv_step_ms_p50"], "{:.1f}"),
+                 _fmt(r.data.metrics["load/kv_step_ms_p99"], "{:.1f}")] for r in kv_runs]
+        m0 = kv_runs[0].data.metrics
+        parts += [f"### 3. KV capacity in {m0['load/kv_budget_mb']:g} MiB at {m0['load/kv_context']:.0f} tokens",
+                  _md(head, rows), "Sequences found by filling the point's own cache class and reading its bytes "
+                  "back (residual full-precision windows included); the timed batch decodes after a prompt of "
+                  "that context."]
+    if tables:
+        head = ["point", "policy", "offered", "achieved", "GB/s", "% of peak", "within knee"]
+        rows = []
+        for name, tab in tables.items():
+            m, tags = by_name[name].data.metrics, by_name[name].data.tags
+            policy = tags.get("load.knee_policy") or tab[0]["policy"]
+            k = m.get(f"load/{policy}/knee_rps", 0.0)
+            rows += [[name, policy, _fmt(r["offered_rps"]), _fmt(r["achieved_rps"]), _fmt(r["bw_gb_s"]),
+                      _fmt(100 * r["bw_util"], "{:.1f}"), "yes" if 0 < r["offered_rps"] <= k * (1 + 1e-3) else "no"]
+                     for r in tab if r["policy"] == policy]
+        parts += ["### 4. Achieved weight bandwidth against offered rate (each point's knee policy)", _md(head, rows),
+                  "GB/s = model forwards x weight bytes read per forward / makespan (KV reads not counted)."]
+    if skipped:
+        parts += ["Policies a point could not serve:", *skipped]
+    files = []
+    if tables:
+        series = {}
+        for name, tab in tables.items():
+            policy = by_name[name].data.tags.get("load.knee_policy") or tab[0]["policy"]
+            series[f"{name} / {policy}"] = [r for r in tab if r["policy"] == policy]
+        any_run = next(iter(by_name.values()))
+        slo = {"ttft_ms": any_run.data.metrics.get("load/slo_ttft_ms"),
+               "tpot_ms": any_run.data.metrics.get("load/slo_tpot_ms")}
+        plots.load_png(series, out / "load.png", title, slo)
+        plots.load_html(series, out / "load.html", title)
+        files = ["load.png", "load.html"]
+        parts.append("Plot: load.png / load.html (P99 TTFT, P99 ITL and achieved rate against offered rate).")
+    return "\n\n".join(parts), files
