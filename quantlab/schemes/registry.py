@@ -31,6 +31,7 @@ _MODULES = (
     "quantlab.schemes.bnb4",
     "quantlab.schemes.gptq",
     "quantlab.schemes.awq",
+    "quantlab.schemes.hqq",
     "quantlab.schemes.smoothquant",
     "quantlab.schemes.mixed",
     "quantlab.schemes.kv",
