@@ -19,7 +19,7 @@ from quantlab.decode import Decoded
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import kv_capacity, load
 from quantlab.schemes.kv import Int8KV, NoKV, cache_factory
-from tests.conftest import compose_cfg, run_cli
+from tests.conftest import run_cli
 
 
 @given(rate=st.floats(0.5, 200), duration=st.floats(0.1, 20), seed=st.integers(0, 10**6))
@@ -168,6 +168,13 @@ def test_continuous_policy_serves_through_transformers_and_restores_the_model(ti
     assert all(r.tokens_s == sorted(r.tokens_s) and r.tokens_s[0] >= r.sent_s for r in reqs)
     assert policy.steps >= 6 and max(r.batch for r in reqs) > 1  # they ran beside each other
     assert model.config._attn_implementation == attn
+    # the scheduler's greedy tokens are the engine's own, request by request
+    engine = TorchEngine(model)
+    for r in reqs[:3]:
+        ref = torch.cat(engine.decode(r.prompt[None], 6).chosen, dim=1)[0].tolist()
+        assert r.tokens == ref
+    dyn, _ = load.run_rate(load.BatchPolicy(engine, 4, 20.0), PROMPTS, 6, 1000.0, 0.004, "constant", LIMITS, 0)
+    assert [r.tokens for r in dyn] == [r.tokens for r in reqs[:4]]
 
 
 def test_engines_say_which_policies_they_serve(tiny):

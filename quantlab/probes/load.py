@@ -45,6 +45,7 @@ class Request:
     start_s: float = math.nan  # when the server took it off the queue
     tokens_s: list[float] = field(default_factory=list)
     batch: int = 0  # how many sequences it ran beside (itself included)
+    tokens: list[int] = field(default_factory=list)  # what it generated (greedy)
 
     @property
     def done(self) -> bool:
@@ -196,9 +197,12 @@ class BatchPolicy(Policy):
         out = self.engine.decode(torch.stack([r.prompt for r in batch]), n_new, clock)
         self.steps += n_new
         times = began + np.cumsum([out.prefill_ms, *out.step_ms]) / 1e3
-        for r in batch:
+        chosen = (torch.cat([torch.as_tensor(c).reshape(len(batch), -1)[:, :1] for c in out.chosen], dim=1)
+                  if out.chosen else None)
+        for i, r in enumerate(batch):
             r.start_s, r.batch = began, len(batch)
             r.tokens_s = [float(t) for t in times[:r.n_new]]
+            r.tokens = [] if chosen is None else chosen[i, :r.n_new].tolist()
 
 
 
@@ -256,6 +260,7 @@ class ContinuousPolicy(Policy):
             r = key[out.request_id]
             r.start_s = out.lifespan[0] - t0
             r.tokens_s = [t - t0 for t in out.timestamps or []]
+            r.tokens = list(out.generated_tokens)
             left -= 1
         if stopped:
             for rid, r in key.items():
