@@ -70,3 +70,8 @@ def test_smoothquant_beats_naive_w8a8_with_outlier_channels(tmp_path):
 def test_alpha_is_range_checked():
     with pytest.raises(ValueError, match="w8a8 alpha 1.5; valid: 0..1"):
         W8A8Scheme(alpha=1.5)
+
+
+def test_run_names_say_a_swept_alpha():
+    assert [W8A8Scheme(smooth=False).short_name(), W8A8Scheme().short_name(),
+            W8A8Scheme(alpha=0.75).short_name()] == ["w8a8", "w8a8-sq", "w8a8-sq-a0.75"]

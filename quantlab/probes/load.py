@@ -286,10 +286,10 @@ def percentiles(prefix: str, values) -> dict[str, float]:
 
 
 def summarize(requests: list[Request], rate: float, stopped: str, steps: int, bytes_per_step: float,
-              peak_bytes_per_s: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None,
-              warmup: int = 0) -> dict[str, float | str]:
-    """One row of the load table. Latencies over completed requests after the
-    first ``warmup``. ``sent_rps``: the realized arrival rate (a Poisson
+              peak_bytes_per_s: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None
+              ) -> dict[str, float | str]:
+    """One row of the load table; latencies over completed requests (the
+    policy's warm-up ran before, as requests of their own). ``sent_rps``: the realized arrival rate (a Poisson
     schedule's count differs from the nominal ``offered_rps``);
     ``achieved_rps``: completions per second between the first and the last
     completion (steady state: the same as ``sent_rps`` when the server keeps
@@ -297,7 +297,7 @@ def summarize(requests: list[Request], rate: float, stopped: str, steps: int, by
     per second from the first submission to the last completion (what a burst
     measures). Goodput: completed requests whose TTFT and mean TPOT both meet
     the SLO, per second of the makespan (absent without an SLO)."""
-    done = [r for r in requests[warmup:] if r.done]
+    done = [r for r in requests if r.done]
     sent = sorted(r.sent_s for r in requests if not math.isnan(r.sent_s))
     ends = sorted(r.tokens_s[-1] for r in requests if r.done)
     span = ends[-1] - sent[0] if sent and ends else math.nan
@@ -321,7 +321,7 @@ def summarize(requests: list[Request], rate: float, stopped: str, steps: int, by
                    and (len(r.tokens_s) < 2 or (r.tokens_s[-1] - r.tokens_s[0]) * 1e3 / (len(r.tokens_s) - 1)
                         <= slo_tpot_ms))
         row["goodput_rps"] = good / span
-        row["goodput_frac"] = good / len(requests[warmup:]) if requests[warmup:] else 0.0
+        row["goodput_frac"] = good / len(requests)
     achieved_bw = steps * bytes_per_step / span if ok else 0.0
     row["bw_gb_s"] = achieved_bw / 1e9
     row["bw_util"] = achieved_bw / peak_bytes_per_s if peak_bytes_per_s else math.nan
@@ -387,8 +387,9 @@ def measure(engine, prompts: list[torch.Tensor], cfg, bytes_per_step: float, pea
             seed: int, progress: Callable[[str], None] = lambda _: None
             ) -> tuple[dict[str, float], list[dict], dict[str, str]]:
     """Every policy the engine can serve, at every rate: ``(metrics, rows, tags)``.
-    ``rates: auto`` first offers a burst of ``2 x max_batch`` requests at once
-    (closed: all at t=0) and takes the achieved rate as the policy's capacity;
+    Each policy first serves ``warmup_requests`` (discarded). ``rates: auto``
+    then offers a burst (``2 x max_batch`` requests, 4 for pass-through) all
+    at t=0 and takes its makespan rate as the policy's capacity;
     the rates are then ``auto_fractions`` of it. A policy the engine cannot
     serve is tagged ``load.<policy>.skipped`` with the reason."""
     with prompt_thread_switches():

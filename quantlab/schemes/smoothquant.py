@@ -41,7 +41,10 @@ class W8A8Scheme(WeightScheme):
             raise ValueError(f"w8a8 alpha {self.alpha}; valid: 0..1")
 
     def short_name(self) -> str:
-        return "w8a8-sq" if self.smooth else "w8a8"
+        """``w8a8``, ``w8a8-sq`` (the preset's alpha 0.5), ``w8a8-sq-a0.75`` (any other alpha)."""
+        if not self.smooth:
+            return "w8a8"
+        return "w8a8-sq" if self.alpha == 0.5 else f"w8a8-sq-a{self.alpha:g}"
 
 
 def support(cfg: W8A8Scheme, hw: Hardware) -> Support:
