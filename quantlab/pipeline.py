@@ -326,11 +326,7 @@ def _latency(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
         peak = roofline.host_bandwidth(cfg.cache_dir, engine.device)
         b, p = latency.cells(lat)[0]
         kv_mid = out.get("mem/kv_mb", 0.0) * 2**20 * (p + lat.new_tokens / 2) / (p + lat.new_tokens)
-        # the runtime's own weight bytes where it stores them differently (llama.cpp's
-        # blocks), less the rows of an untied embedding table a step does not read
-        weights = m.metrics.get("size/runtime_weight_bytes", m.metrics["size/weight_bytes"]) \
-            - m.metrics.get("size/embedding_unread_bytes", 0.0)
-        out.update(roofline.utilisation(weights + kv_mid, out["lat/tpot_ms_p50"], peak))
+        out.update(roofline.utilisation(_weight_bytes_read(m.metrics) + kv_mid, out["lat/tpot_ms_p50"], peak))
     m.artifacts["latency_samples.csv"] = latency.samples_csv(raw)
     if lat.stages and (why := engine.cannot("stages")):
         tags["probe.stages.skipped"] = why
@@ -344,19 +340,24 @@ def _latency(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     m.tags.update(tags)
 
 
+def _weight_bytes_read(metrics: dict[str, float]) -> float:
+    """Weight bytes one decode step reads: the runtime's own where it stores
+    them differently (llama.cpp's blocks), less the rows of an untied
+    embedding table a step does not read."""
+    return metrics.get("size/runtime_weight_bytes", metrics["size/weight_bytes"]) \
+        - metrics.get("size/embedding_unread_bytes", 0.0)
+
+
 def _load(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     """Open-loop load per policy and rate, then (with a budget) KV capacity."""
     lc = cfg.probe.load
-    c = "auto" if cfg.data_dir else "builtin"
-    ids = corpus.token_ids(tok, c, max(lc.prompt_tokens * 16, lc.kv_context), cfg.data_dir)[0]
+    ids = corpus.token_ids(tok, "auto", max(lc.prompt_tokens * 16, lc.kv_context), cfg.data_dir)[0]
     prompts = [ids[i * lc.prompt_tokens:(i + 1) * lc.prompt_tokens] for i in range(16)]
-    weights = m.metrics.get("size/runtime_weight_bytes", m.metrics["size/weight_bytes"]) \
-        - m.metrics.get("size/embedding_unread_bytes", 0.0)
     peak = 0.0 if engine.cannot("roofline") else roofline.host_bandwidth(cfg.cache_dir, engine.device)
     log.info("[%s] load probe (%s, %s arrivals, %g s per rate, policies %s)", name,
              "rates auto" if lc.rates == "auto" else f"rates {lc.rates}", lc.arrival, lc.duration_s,
              ",".join(lc.policies))
-    metrics, rows, tags = load.measure(engine, prompts, lc, weights, peak, cfg.seed,
+    metrics, rows, tags = load.measure(engine, prompts, lc, _weight_bytes_read(m.metrics), peak, cfg.seed,
                                        lambda line: log.info("[%s] load: %s", name, line))
     m.metrics.update(metrics)
     m.tags.update(tags)

@@ -6,6 +6,7 @@ from typing import Any, Callable
 import torch
 from transformers import DynamicCache
 
+from quantlab import models
 from quantlab.decode import Clock, Decoded, decode_loop, greedy
 from quantlab.engines.base import CAPABILITIES, Engine
 from quantlab.schemes.kv import cache_bytes
@@ -68,9 +69,8 @@ class TorchEngine(Engine):
             cache.reset()
             return cache
         cfg = self.model.config.get_text_config(decoder=True)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         cache = self.cache_factory(config=self.model.config)
-        cache.early_initialization(batch_size=batch, num_heads=cfg.num_key_value_heads, head_dim=head_dim,
+        cache.early_initialization(batch_size=batch, num_heads=cfg.num_key_value_heads, head_dim=models.head_dim(cfg),
                                    dtype=self.model.get_input_embeddings().weight.dtype, device=self._device)
         self._static_caches[batch] = cache
         return cache

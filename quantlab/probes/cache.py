@@ -15,6 +15,7 @@ import math
 import numpy as np
 import torch
 
+from quantlab import models
 from quantlab.config import CacheProbeConfig
 from quantlab.probes.fidelity import logprobs
 
@@ -51,8 +52,7 @@ def probe(engine, config, windows: torch.Tensor, cfg: CacheProbeConfig, compute_
         kls.append(_kl(logprobs(engine, row[None])[p - 1:-1], lp))
     ctx = windows.shape[1] - 1
     c = config.get_text_config(decoder=True)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dense = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * ctx * compute_bytes
+    dense = 2 * c.num_hidden_layers * c.num_key_value_heads * models.head_dim(c) * ctx * compute_bytes
     kl = np.concatenate(kls)
     return {
         "kvfid/ppl": math.exp(nll / count),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from quantlab import models
 from quantlab.schemes.kv import cache_bytes
 
 
@@ -20,10 +21,9 @@ def filled_bytes(engine, batch: int, context: int) -> int:
     """Bytes of the engine's request cache after ``context`` tokens of K/V for
     ``batch`` sequences went into every layer."""
     cfg = engine.model.config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dtype = engine.model.get_input_embeddings().weight.dtype
     cache = engine.cache_factory(config=engine.model.config)
-    kv = torch.randn(batch, cfg.num_key_value_heads, context, head_dim, generator=torch.Generator().manual_seed(0))
+    kv = torch.randn(batch, cfg.num_key_value_heads, context, models.head_dim(cfg), generator=torch.Generator().manual_seed(0))
     kv = kv.to(dtype=dtype, device=engine.device)
     with torch.inference_mode():
         for layer in range(cfg.num_hidden_layers):

@@ -130,13 +130,21 @@ class Limits:
     max_backlog: int
     drain_s: float
 
+    def why_stop(self, now_s: float, waiting: int, open_: int, last_due_s: float) -> str:
+        """'' while the rate goes on; else why it ends: ``waiting`` requests
+        queued beyond the running batch, ``open_`` not finished yet."""
+        if waiting > self.max_backlog:
+            return (f"saturated: {waiting} requests waiting at {now_s:.1f} s (more than max_backlog="
+                    f"{self.max_backlog}); the server fell behind the offered rate")
+        if now_s > last_due_s + self.drain_s:
+            return f"did not drain: {open_} requests open {self.drain_s:g} s after the last arrival"
+        return ""
+
 
 class Policy(abc.ABC):
     """A server: takes the requests a :class:`Generator` submits and fills in
     their ``start_s``, ``tokens_s`` and ``batch``. ``steps`` counts the model
     forwards it ran (for achieved bandwidth)."""
-
-    name: str
 
     def __init__(self):
         self.steps = 0
@@ -162,7 +170,6 @@ class BatchPolicy(Policy):
     def __init__(self, engine, max_batch: int, max_wait_ms: float):
         super().__init__()
         self.engine, self.max_batch, self.max_wait_s = engine, max_batch, max_wait_ms / 1e3
-        self.name = "passthrough" if max_batch == 1 else "dynamic"
 
     def serve(self, requests, t0, last_due_s, limits, start) -> str:
         inbox: queue.Queue = queue.Queue()
@@ -170,12 +177,8 @@ class BatchPolicy(Policy):
         clock = self.engine.clock()
         left = len(requests)
         while left:
-            now = time.perf_counter() - t0
-            if inbox.qsize() > limits.max_backlog:
-                return (f"saturated: {inbox.qsize()} requests waiting at {now:.1f} s "
-                        f"(more than max_backlog={limits.max_backlog}); the server fell behind the offered rate")
-            if now > last_due_s + limits.drain_s:
-                return f"did not drain: {left} requests open {limits.drain_s:g} s after the last arrival"
+            if stopped := limits.why_stop(time.perf_counter() - t0, inbox.qsize(), left, last_due_s):
+                return stopped
             try:
                 first = inbox.get(timeout=0.05)
             except queue.Empty:
@@ -213,8 +216,6 @@ class ContinuousPolicy(Policy):
     per-token timestamps (``perf_counter``) are the token times; ``batch`` is
     how many requests were in flight when a request's first token came out."""
 
-    name = "continuous"
-
     def __init__(self, model: torch.nn.Module, max_batch: int, max_tokens: int, page_size: int = 32):
         super().__init__()
         from transformers import GenerationConfig
@@ -243,14 +244,9 @@ class ContinuousPolicy(Policy):
         start(submit)
         left, stopped = len(requests), ""
         while left:
-            now = time.perf_counter() - t0
-            open_ = sum(1 for r in requests if not math.isnan(r.sent_s)) - (len(requests) - left)
-            if open_ > limits.max_backlog + self.manager.continuous_batching_config.max_requests_per_batch:
-                stopped = (f"saturated: {open_} requests in the system at {now:.1f} s (more than max_backlog="
-                           f"{limits.max_backlog} beyond the running batch); the server fell behind the offered rate")
-                break
-            if now > last_due_s + limits.drain_s:
-                stopped = f"did not drain: {left} requests open {limits.drain_s:g} s after the last arrival"
+            in_system = sum(1 for r in requests if not math.isnan(r.sent_s)) - (len(requests) - left)
+            waiting = in_system - self.manager.continuous_batching_config.max_requests_per_batch
+            if stopped := limits.why_stop(time.perf_counter() - t0, waiting, left, last_due_s):
                 break
             out = self.manager.get_result(timeout=0.05)
             if out is None or out.request_id not in key:
