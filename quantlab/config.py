@@ -184,6 +184,11 @@ class LoadProbeConfig:
     ``policies``: ``continuous`` (transformers' scheduler), ``dynamic``
     (quantlab's reference batcher: ``max_batch``, ``max_wait_ms``),
     ``passthrough`` (one request at a time). ``goodput`` needs both SLOs.
+    ``prompts``: ``windows`` (consecutive ``prompt_tokens``-token windows of
+    the corpus) or ``paragraphs`` (the corpus's paragraphs at their own
+    lengths, clipped to ``prompt_tokens``, those under ``prompt_tokens_min``
+    left out); ``new_tokens_min``: each request's output length drawn
+    uniformly from ``[new_tokens_min, new_tokens]`` (null: all ``new_tokens``).
     ``kv_budget_mb``: also find how many ``kv_context``-token sequences the
     point's KV cache fits in that budget (by allocating) and time a batch of
     that many (at most ``kv_max_batch``)."""
@@ -199,6 +204,9 @@ class LoadProbeConfig:
     warmup_requests: int = field(default=2, metadata={"min": 1})
     prompt_tokens: int = field(default=64, metadata={"min": 1})
     new_tokens: int = field(default=16, metadata={"min": 1})
+    prompts: str = "windows"
+    prompt_tokens_min: int = field(default=8, metadata={"min": 1})
+    new_tokens_min: Optional[int] = field(default=None, metadata={"min": 1})
     policies: list[str] = field(default_factory=lambda: ["continuous", "dynamic", "passthrough"])
     max_batch: int = field(default=8, metadata={"min": 1})
     max_wait_ms: float = field(default=20.0, metadata={"min": 0})
@@ -304,6 +312,14 @@ def _validate_load(cfg: LoadProbeConfig, path: str) -> None:
         raise ValueError(f"{path}rates={rates}: must be auto or a list of request rates > 0 (requests/s)")
     if cfg.arrival not in ("poisson", "constant"):
         raise ValueError(f"{path}arrival={cfg.arrival!r}: valid: poisson, constant")
+    if cfg.prompts not in ("windows", "paragraphs"):
+        raise ValueError(f"{path}prompts={cfg.prompts!r}: valid: windows, paragraphs")
+    if cfg.prompt_tokens_min > cfg.prompt_tokens:
+        raise ValueError(f"{path}prompt_tokens_min={cfg.prompt_tokens_min}: must be <= {path}prompt_tokens "
+                         f"({cfg.prompt_tokens})")
+    if cfg.new_tokens_min is not None and cfg.new_tokens_min > cfg.new_tokens:
+        raise ValueError(f"{path}new_tokens_min={cfg.new_tokens_min}: must be <= {path}new_tokens "
+                         f"({cfg.new_tokens})")
     if bad := [p for p in cfg.policies if p not in POLICIES]:
         raise ValueError(f"{path}policies: unknown {', '.join(map(repr, bad))}; valid: {', '.join(POLICIES)}")
     if cfg.enabled and cfg.goodput and (cfg.slo.ttft_ms is None or cfg.slo.tpot_ms is None):

@@ -352,7 +352,10 @@ def _load(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     """Open-loop load per policy and rate, then (with a budget) KV capacity."""
     lc = cfg.probe.load
     ids = corpus.token_ids(tok, "auto", max(lc.prompt_tokens * 16, lc.kv_context), cfg.data_dir)[0]
-    prompts = [ids[i * lc.prompt_tokens:(i + 1) * lc.prompt_tokens] for i in range(16)]
+    if lc.prompts == "paragraphs":
+        prompts = corpus.paragraph_ids(tok, "auto", cfg.data_dir, lc.prompt_tokens, lc.prompt_tokens_min, 64)
+    else:
+        prompts = [ids[i * lc.prompt_tokens:(i + 1) * lc.prompt_tokens] for i in range(16)]
     peak = 0.0 if engine.cannot("roofline") else roofline.host_bandwidth(cfg.cache_dir, engine.device)
     log.info("[%s] load probe (%s, %s arrivals, %g s per rate, policies %s)", name,
              "rates auto" if lc.rates == "auto" else f"rates {lc.rates}", lc.arrival, lc.duration_s,

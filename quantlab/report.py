@@ -2,6 +2,7 @@
 "the fastest point within a budget", plots. ``python -m quantlab.report``."""
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -160,6 +161,10 @@ def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, flo
 # --- decision report -------------------------------------------------------
 
 DEFAULT_BUDGETS = (0.01, 0.05)
+# What a budget's pick maximises: (metric, sign so that lower cost wins, words, unit).
+OBJECTIVES = {"tpot": ("lat/tpot_ms_p50", 1.0, "the lowest decode TPOT P50", "ms/token"),
+              "capacity": ("load/knee_rps", -1.0, "the highest capacity under the SLO (the load probe's knee)",
+                           "req/s under the SLO")}
 BASELINE_TAG = "recovery.baseline"  # on the parent: the run name the sweep compared against
 
 
@@ -198,11 +203,26 @@ def _loss_text(p: Point) -> str:
     return f"{p.loss:.3g}" + ("" if p.loss_upper is None else f" (95% bound {p.loss_upper:.3g})")
 
 
+def objective(runs, choice: str = "auto") -> str:
+    """``auto``: ``capacity`` when a finished run measured it (a serving
+    sweep), else ``tpot``; otherwise ``choice``, checked."""
+    if choice == "auto":
+        return "capacity" if any(tracking.done(r) and "load/knee_rps" in r.data.metrics for r in runs) else "tpot"
+    if choice not in OBJECTIVES:
+        raise UserError(f"unknown objective {choice!r}; valid: auto, {', '.join(OBJECTIVES)}")
+    return choice
+
+
 def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
-           items: dict | None = None) -> tuple[str, dict[float, Recommendation]]:
-    """Markdown: the decision rule, frontiers and the fastest real point whose
-    pessimistic loss is within each budget."""
+           items: dict | None = None, by: str = "tpot") -> tuple[str, dict[float, Recommendation]]:
+    """Markdown: the decision rule, frontiers and, per budget, the real point
+    whose pessimistic loss is within it that is best by objective ``by``
+    (:data:`OBJECTIVES`: lowest TPOT, or highest capacity under the SLO)."""
+    key, sign, words, unit = OBJECTIVES[by]
     lat = points(runs, metric, "lat/tpot_ms_p50", base, items)
+    # a point whose load met the SLO at no rate (knee 0) has no capacity to offer
+    ranked = [dataclasses.replace(p, cost=sign * p.cost) for p in points(runs, metric, key, base, items)
+              if by != "capacity" or p.cost > 0]
     mem = points(runs, metric, "size/weight_mb", base, items)
     kl = metric.startswith(decision.KL)
     against = "" if kl or metric.startswith("fid/") or base is None else f" against {base.info.run_name}"
@@ -210,26 +230,27 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
              + ("the KL value" if kl else "1 - top-1 agreement" if metric == "fid/top1_agree" else
                 "1 - point/baseline (perplexity: 1 - baseline/point)")
              + "; a point meets a budget when the 95% upper bound of its loss does (paired over the same "
-               "items where both runs logged them); among those, the lowest decode TPOT P50 wins.", ""]
+               f"items where both runs logged them); among those, {words} wins.", ""]
     lines.append("Frontier, loss vs decode latency: " + ", ".join(
         f"{p.name} ({p.cost:.2f} ms, {p.loss:.3g})" for p in frontier([p for p in lat if not p.emulated])))
     lines.append("Frontier, loss vs weight memory: " + ", ".join(
         f"{p.name} ({p.cost:.1f} MiB, {p.loss:.3g})" for p in frontier(mem)))
     recs = {}
     for b in budgets:
-        rec = fastest_within(lat, b)
+        rec = fastest_within(ranked, b)
         recs[b] = rec
         what = f"KL <= {b:g}" if kl else f"{b:.0%} loss"
         if rec.point is None:
             lines.append(f"- Within {what}: no real point qualifies.")
         else:
-            lines.append(f"- Fastest within {what}: **{rec.point.name}** — {rec.point.cost:.2f} ms/token, "
+            best = "Fastest" if by == "tpot" else "Most capacity"
+            lines.append(f"- {best} within {what}: **{rec.point.name}** — {sign * rec.point.cost:.2f} {unit}, "
                          f"loss {_loss_text(rec.point)} (margin {rec.margin:.3g}; {rec.candidates} qualified)")
         for p in rec.undecided:
-            lines.append(f"  - cannot tell: {p.name} is faster ({p.cost:.2f} ms) with loss {_loss_text(p)}; "
+            lines.append(f"  - cannot tell: {p.name} is better ({sign * p.cost:.2f} {unit}) with loss {_loss_text(p)}; "
                          f"the estimate is within {what} but the bound is not. More items (accuracy limit, "
                          f"perplexity windows) would decide.")
-    if any(p.emulated for p in lat):
+    if any(p.emulated for p in ranked):
         lines.append("- Emulated points are never recommended: their latency is not that of the scheme.")
     return "\n".join(lines), recs
 
@@ -249,17 +270,20 @@ def next_steps(runs, recs: dict[float, Recommendation], sweep: str, parent_id: s
 
 
 def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
-          budgets=DEFAULT_BUDGETS, out_dir: Path | None = None, log_to_run: bool = True) -> str:
-    """Table + frontier + recommendations for one sweep; PNG/HTML plots in
-    ``out_dir``; with ``log_to_run`` all of it goes to the parent run and the
-    recommended child runs get a ``quantlab.recommended.<budget>`` tag."""
+          budgets=DEFAULT_BUDGETS, out_dir: Path | None = None, log_to_run: bool = True,
+          by: str = "auto") -> str:
+    """Table + frontier + recommendations (by objective ``by``, see
+    :func:`objective`) for one sweep; PNG/HTML plots in ``out_dir``; with
+    ``log_to_run`` all of it goes to the parent run (tag ``recommended.by``)
+    and the recommended child runs get a ``quantlab.recommended.<budget>`` tag."""
     runs, reused = tracking.sweep_runs(client, experiment_id, parent_id)
     runs += reused
     tags = client.get_run(parent_id).data.tags
     base = next((r for r in runs if r.info.run_name == tags.get(BASELINE_TAG)), None) or baseline_run(runs)
     items = {r.info.run_id: tracking.load_items(client, tracking.origin(r)) for r in runs if tracking.done(r)}
     metric = decision_metric(runs, metric)
-    text, recs = decide(runs, metric, budgets, base, items)
+    by = objective(runs, by)
+    text, recs = decide(runs, metric, budgets, base, items, by)
     sweep = tags.get(tracking.SWEEP_TAG, "?")
     paired_text = paired_table(runs, base, items) if base is not None else ""
     out = Path(out_dir or tempfile.mkdtemp(prefix="quantlab-report-"))
@@ -285,6 +309,7 @@ def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
         for p in panels["size/weight_mb"]:  # the loss as a metric: the UI's charts plot it against latency
             tracking.log_metrics(client, by_name[p.name], {"decision/loss": p.loss, "decision/loss_upper": p.upper})
             tracking.set_tags(client, by_name[p.name], {"decision.metric": metric})
+        tracking.set_tags(client, parent_id, {"recommended.by": by})
         for b, rec in recs.items():
             if rec.point is not None:
                 tracking.set_tags(client, by_name[rec.point.name], {f"quantlab.recommended.{b:g}": "true"})
@@ -314,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", default="latest", help="latest, a sweep name, or a parent run id")
     ap.add_argument("--metric", default="auto", help="decision metric (auto, fid/kl_mean, recovery/acc/...)")
     ap.add_argument("--budgets", default="0.01,0.05", help="comma-separated loss budgets")
+    ap.add_argument("--objective", default="auto", help="what a budget's pick maximises: auto (capacity where the "
+                    "load probe ran, else tpot), tpot (lowest decode latency), capacity (highest req/s under the SLO)")
     ap.add_argument("--out", default=None, help="directory for report.md, pareto.png, pareto.html")
     ap.add_argument("--no-log", action="store_true", help="do not write to the parent run")
     args = ap.parse_args(argv)
@@ -323,12 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         client, exp = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
                                                       artifact_root=None))
         parent = _find_parent(client, exp, args.sweep)
+        if args.objective != "auto":
+            objective([], args.objective)
     except UserError as e:
         print(f"quantlab.report: {e}", file=sys.stderr)
         return 2
     budgets = tuple(float(b) for b in args.budgets.split(","))
     print(build(client, exp, parent, args.metric, budgets, Path(args.out) if args.out else None,
-                not args.no_log))
+                not args.no_log, args.objective))
     return 0
 
 

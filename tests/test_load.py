@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from quantlab import models, report, tracking
 from quantlab.config import LoadProbeConfig, ModelConfig, SLOConfig, validate
 from quantlab.decode import Decoded
+from quantlab.engines.base import Engine
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import kv_capacity, load
 from quantlab.schemes.kv import Int8KV, NoKV, cache_factory
@@ -52,6 +53,9 @@ def test_generator_never_submits_early():
 class StepEngine:
     """Decodes any batch in ``prefill_ms + (n-1) x step_ms`` of real time
     (sleeps), so the policies' bookkeeping can be checked against the clock."""
+
+    name = "step"
+    decode_batch = Engine.decode_batch  # stacks prompts of one length
 
     def __init__(self, prefill_ms: float = 20.0, step_ms: float = 5.0):
         self.prefill_ms, self.step_ms, self.batches = prefill_ms, step_ms, []
@@ -215,6 +219,9 @@ def test_kv_budget_too_small_is_one_line(tiny):
     ({"policies": ["greedy"]}, "policies: unknown 'greedy'; valid: continuous, dynamic, passthrough"),
     ({"enabled": True, "slo": SLOConfig(ttft_ms=100)}, "goodput=true needs probe.load.slo.ttft_ms and"),
     ({"arrival": "bursty"}, "arrival='bursty': valid: poisson, constant"),
+    ({"prompts": "chats"}, "prompts='chats': valid: windows, paragraphs"),
+    ({"prompt_tokens": 16, "prompt_tokens_min": 32}, "prompt_tokens_min=32: must be <= probe.load.prompt_tokens (16)"),
+    ({"new_tokens": 8, "new_tokens_min": 9}, "new_tokens_min=9: must be <= probe.load.new_tokens (8)"),
 ])
 def test_bad_load_config_is_one_line(kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -233,6 +240,7 @@ def test_serving_sweep_logs_the_load_table_and_the_report_section(tmp_path):
     proc = run_cli(["-m", "probe=serving", "scheme/weights=int8", "scheme/kv=none,int8", "model=tiny",
                     "probe.fidelity.corpus=builtin", "probe.load.duration_s=1", "probe.load.min_requests=4",
                     "probe.load.auto_fractions=[0.5,1.0]", "probe.load.kv_budget_mb=1",
+                    "probe.load.prompts=paragraphs", "probe.load.prompt_tokens=160", "probe.load.new_tokens_min=2",
                     f"tracking.uri=sqlite:///{tmp_path}/m.db", f"tracking.artifact_root={tmp_path}/art"],
                    timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -249,12 +257,61 @@ def test_serving_sweep_logs_the_load_table_and_the_report_section(tmp_path):
         assert r.data.metrics["load/kv_capacity_seqs"] >= 1
     rows = load.read_csv(open(client.download_artifacts(plain.info.run_id, "load.csv", str(tmp_path))).read())
     assert {r["policy"] for r in rows} == {"continuous", "dynamic", "passthrough"} and len(rows) == 6
+    # paragraph prompts at their own lengths (byte tokens, clipped to 160), outputs drawn from [2, 8]
+    m = plain.data.metrics
+    assert 8 <= m["load/prompt_tokens_mean"] < m["load/prompt_tokens_max"] <= 160
+    assert all(2 <= r["new_tokens_mean"] <= 8 for r in rows) and len({r["new_tokens_mean"] for r in rows}) > 1
     assert "load.continuous.skipped" in kv8.data.tags and "load.continuous.skipped" not in plain.data.tags
     assert kv8.data.metrics["load/kv_capacity_seqs"] > plain.data.metrics["load/kv_capacity_seqs"]
     assert plain.data.metrics["load/knee_rps"] == max(
         plain.data.metrics[f"load/{p}/knee_rps"] for p in ("continuous", "dynamic", "passthrough"))
     text = report.build(client, exp, parent.info.run_id, log_to_run=False, out_dir=tmp_path / "rep")
     for heading in ("## Serving", "### 1. Capacity under the SLO", "### 2. Policies at each offered rate",
-                    "### 3. KV capacity", "### 4. Achieved weight bandwidth", "capacity under SLO req/s"):
+                    "### 3. KV capacity", "### 4. Achieved weight bandwidth", "capacity under SLO req/s",
+                    "the highest capacity under the SLO (the load probe's knee) wins"):
         assert heading in text
     assert (tmp_path / "rep" / "load.png").stat().st_size > 10_000
+
+
+def test_padded_batch_decodes_each_prompt_as_it_would_alone(tiny):
+    model, _ = tiny
+    engine = TorchEngine(model)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=g) for n in (5, 12, 9)]
+    out = engine.decode_batch(prompts, 6)
+    batch = torch.cat(out.chosen, dim=1)
+    assert batch.shape == (3, 6) and len(out.step_ms) == 5
+    for i, p in enumerate(prompts):
+        alone = torch.cat(engine.decode(p[None], 6).chosen, dim=1)[0]
+        assert batch[i].tolist() == alone.tolist()
+    with pytest.raises(ValueError, match="one length only"):
+        StepEngine.decode_batch(StepEngine(), prompts, 2)
+
+
+def test_output_lengths_drawn_in_range_and_ragged_prompts_batched(tiny):
+    model, _ = tiny
+    engine = TorchEngine(model)
+    prompts = [torch.arange(3 + 2 * i) + 5 for i in range(4)]
+    reqs, stopped = load.run_rate(load.BatchPolicy(engine, 4, 30.0), prompts, 7, 1000.0, 0.008, "constant",
+                                  LIMITS, 3, n_new_min=2)
+    assert stopped == "" and all(r.done for r in reqs)
+    assert all(2 <= r.n_new <= 7 and len(r.tokens) == r.n_new for r in reqs)
+    assert len({r.n_new for r in reqs}) > 1 and max(r.batch for r in reqs) > 1
+    for r in reqs[:4]:  # each request's tokens are its own greedy decode, padding or not
+        assert r.tokens == torch.cat(engine.decode(r.prompt[None], r.n_new).chosen, dim=1)[0].tolist()
+    row = load.summarize(reqs, 1000.0, "", 0, 0.0, 0.0, None, None)
+    assert row["new_tokens_mean"] == pytest.approx(sum(r.n_new for r in reqs) / len(reqs))
+    assert row["prompt_tokens_mean"] == pytest.approx(sum(len(r.prompt) for r in reqs) / len(reqs))
+
+
+def test_paragraph_prompts_keep_their_own_lengths(tmp_path):
+    from quantlab.probes import corpus
+    d = tmp_path / "wikitext-2-raw"
+    d.mkdir()
+    words = ["alpha beta gamma delta " * k for k in (1, 3, 8, 30)]
+    (d / "wiki.test.raw").write_text(" \n = A Heading Long Enough To Count As A Prompt = \n \n" + " \n \n".join(words) + " \n")
+    tok = models.byte_tokenizer()
+    got = corpus.paragraph_ids(tok, "auto", str(tmp_path), max_tokens=200, min_tokens=30, n=10)
+    assert [len(p) for p in got] == [len(tok(w.strip())["input_ids"]) for w in words[1:3]] + [200]
+    with pytest.raises(Exception, match="no paragraph of >= 5000 tokens"):
+        corpus.paragraph_ids(tok, "auto", str(tmp_path), 6000, 5000, 10)

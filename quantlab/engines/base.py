@@ -28,6 +28,8 @@ class Engine(abc.ABC):
     * ``decode(prompt, n_new, clock)``: one timed request through
       :func:`quantlab.decode.decode_loop` (``choose``/``record`` only where
       ``cannot("cache")`` is empty: they run host-side on every step).
+    * ``decode_batch(prompts, n_new, clock)``: greedy, several prompts at once
+      (where ``cannot("batch")`` is empty).
     * ``reset()``: forget any state a previous call left (caches, sequences).
 
     ``ready_s`` is the time it took to become ready (compile, export, load),
@@ -63,6 +65,15 @@ class Engine(abc.ABC):
     def decode(self, prompt: torch.Tensor, n_new: int, clock: Clock | None = None,
                choose: Callable[[Any, int], Any] = greedy,
                record: Callable[[Any], None] | None = None) -> Decoded: ...
+
+    def decode_batch(self, prompts: list[torch.Tensor], n_new: int, clock: Clock | None = None) -> Decoded:
+        """Greedy decode of several ``[P_i]`` prompts as one batch (engines
+        that offer ``batch``). Here: prompts of one length, stacked; an engine
+        that pads overrides this."""
+        if len({len(p) for p in prompts}) > 1:
+            raise ValueError(f"the {self.name} engine batches prompts of one length only; got "
+                             f"{sorted({len(p) for p in prompts})}")
+        return self.decode(torch.stack(prompts), n_new, clock)
 
     def reset(self) -> None:
         """Engines that keep no state between calls have nothing to do."""

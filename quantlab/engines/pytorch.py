@@ -92,3 +92,30 @@ class TorchEngine(Engine):
         out = decode_loop(forward, prompt.to(self._device), n_new, clock or self.clock(), choose, record)
         out.kv_bytes = cache_bytes(cache)
         return out
+
+    @torch.inference_mode()
+    def decode_batch(self, prompts: list[torch.Tensor], n_new: int, clock: Clock | None = None) -> Decoded:
+        """Prompts of different lengths as one greedy batch: left-padded, with
+        an attention mask and each row's positions counted from its own first
+        token, so every row decodes the tokens it would alone (tested)."""
+        lengths = [len(p) for p in prompts]
+        if len(set(lengths)) == 1:
+            return self.decode(torch.stack(prompts), n_new, clock)
+        width = max(lengths)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        cache = self.request_cache(len(prompts))
+        seen = [mask.to(self._device)]  # the mask over every position so far
+
+        def forward(x: torch.Tensor, start: int) -> torch.Tensor:
+            if start:
+                seen[0] = torch.cat([seen[0], seen[0].new_ones(x.shape)], dim=1)
+            pos = (seen[0].cumsum(-1) - 1).clamp(min=0)[:, -x.shape[1]:]
+            return self.model(input_ids=x, attention_mask=seen[0], position_ids=pos, cache=cache, use_cache=True,
+                              logits_to_keep=1 if start == 0 else 0).logits
+
+        out = decode_loop(forward, ids.to(self._device), n_new, clock or self.clock())
+        out.kv_bytes = cache_bytes(cache)
+        return out

@@ -1,6 +1,7 @@
 """Fixed token sequences for probes (same ids for every point of a sweep)."""
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -52,6 +53,27 @@ def token_ids(tokenizer, corpus: str, n_tokens: int, data_dir: str | None = None
         base = base[: 16 * n_tokens]  # enough text for n_tokens; skip tokenizing 1 MB
     _, ids = _repeat(tokenizer, base, n_tokens)
     return torch.tensor([ids[:n_tokens]], dtype=torch.long)
+
+
+def paragraph_ids(tokenizer, corpus: str, data_dir: str | None, max_tokens: int, min_tokens: int,
+                  n: int) -> list[torch.Tensor]:
+    """Up to ``n`` paragraphs of the corpus, in order, as ``[P]`` id tensors at
+    their own lengths (clipped to ``max_tokens``; shorter than ``min_tokens``
+    or a WikiText ``= Heading =`` line left out): prompts whose lengths follow
+    the text's. Raises :class:`UserError` when none qualifies."""
+    out = []
+    for block in re.split(r"\n\s*\n", text(corpus, data_dir)):
+        block = block.strip()
+        if not block or (block.startswith("=") and block.endswith("=")):
+            continue
+        ids = tokenizer(block, add_special_tokens=False)["input_ids"]
+        if len(ids) >= min_tokens:
+            out.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
+            if len(out) == n:
+                break
+    if not out:
+        raise UserError(f"corpus {resolve(corpus, data_dir)!r} has no paragraph of >= {min_tokens} tokens")
+    return out
 
 
 def prompt_text(tokenizer, n_tokens: int) -> str:

@@ -164,7 +164,8 @@ class BatchPolicy(Policy):
     """quantlab's reference dynamic batcher (not an engine's scheduler): when a
     request waits, collect up to ``max_batch`` of them, waiting at most
     ``max_wait_ms`` after the first, and decode them as one static batch to the
-    longest request's length (nobody joins a running batch). ``max_batch=1``
+    longest request's length (nobody joins a running batch; prompts of
+    different lengths are left-padded by the engine). ``max_batch=1``
     is pass-through: one request at a time, in arrival order."""
 
     def __init__(self, engine, max_batch: int, max_wait_ms: float):
@@ -197,7 +198,7 @@ class BatchPolicy(Policy):
     def _run(self, batch: list[Request], t0: float, clock: Clock) -> None:
         began = time.perf_counter() - t0
         n_new = max(r.n_new for r in batch)
-        out = self.engine.decode(torch.stack([r.prompt for r in batch]), n_new, clock)
+        out = self.engine.decode_batch([r.prompt for r in batch], n_new, clock)
         self.steps += n_new
         times = began + np.cumsum([out.prefill_ms, *out.step_ms]) / 1e3
         chosen = (torch.cat([torch.as_tensor(c).reshape(len(batch), -1)[:, :1] for c in out.chosen], dim=1)
@@ -309,6 +310,8 @@ def summarize(requests: list[Request], rate: float, stopped: str, steps: int, by
     row.update(percentiles("e2e_ms", ((r.tokens_s[-1] - r.sent_s) * 1e3 for r in done)))
     row.update(percentiles("queue_ms", ((r.start_s - r.sent_s) * 1e3 for r in done)))
     row.update(percentiles("late_ms", ((r.sent_s - r.due_s) * 1e3 for r in requests if not math.isnan(r.sent_s))))
+    row["prompt_tokens_mean"] = float(np.mean([len(r.prompt) for r in requests]))
+    row["new_tokens_mean"] = float(np.mean([r.n_new for r in requests]))
     batches = [r.batch for r in done]
     row["batch_mean"] = float(np.mean(batches)) if batches else 0.0
     row["batch_max"] = float(max(batches, default=0))
@@ -336,13 +339,15 @@ def knee(rows: list[dict], slo_ttft_ms: float | None, keep_up: float = 0.9) -> f
 
 
 def run_rate(policy: Policy, prompts: list[torch.Tensor], n_new: int, rate: float, duration_s: float,
-             arrival: str, limits: Limits, seed: int) -> tuple[list[Request], str]:
+             arrival: str, limits: Limits, seed: int, n_new_min: int | None = None) -> tuple[list[Request], str]:
     """One offered rate through ``policy``: the requests (prompts drawn in
-    turn) and '' or why the rate ended early. The generator is stopped and
-    joined before returning, whatever happened."""
+    turn; ``n_new`` tokens each, or with ``n_new_min`` a seeded uniform draw
+    from ``[n_new_min, n_new]``) and '' or why the rate ended early. The
+    generator is stopped and joined before returning, whatever happened."""
     rng = random.Random(seed)
     dues = schedule(rate, duration_s, arrival, rng)
-    requests = [Request(i, t, prompts[i % len(prompts)], n_new) for i, t in enumerate(dues)]
+    requests = [Request(i, t, prompts[i % len(prompts)], n_new if n_new_min is None else rng.randint(n_new_min, n_new))
+                for i, t in enumerate(dues)]
     t0 = time.perf_counter()
     gen: list[Generator] = []
 
@@ -401,6 +406,9 @@ def _measure(engine, prompts, cfg, bytes_per_step, peak_bytes_per_s, seed, progr
     for k in ("ttft_ms", "tpot_ms"):
         if getattr(cfg.slo, k) is not None:
             metrics[f"load/slo_{k}"] = float(getattr(cfg.slo, k))
+    lengths = [len(p) for p in prompts]
+    metrics["load/prompt_tokens_mean"] = float(np.mean(lengths))
+    metrics["load/prompt_tokens_max"] = float(max(lengths))
     limits = Limits(cfg.max_backlog, cfg.drain_s)
     rows: list[dict] = []
     for name in cfg.policies:
@@ -411,9 +419,10 @@ def _measure(engine, prompts, cfg, bytes_per_step, peak_bytes_per_s, seed, progr
         policy = make_policy(name, engine, cfg)
         try:
             burst = 2 * cfg.max_batch if name != "passthrough" else 4
-            run_rate(policy, prompts, cfg.new_tokens, 1e4, cfg.warmup_requests / 1e4, "constant", limits, seed)
+            run_rate(policy, prompts, cfg.new_tokens, 1e4, cfg.warmup_requests / 1e4, "constant", limits, seed,
+                     cfg.new_tokens_min)
             reqs, _ = run_rate(policy, prompts, cfg.new_tokens, 1e4, burst / 1e4, "constant",
-                               Limits(10**6, cfg.drain_s), seed)
+                               Limits(10**6, cfg.drain_s), seed, cfg.new_tokens_min)
             capacity = summarize(reqs, 1e4, "", 0, 0.0, 0.0, None, None)["makespan_rps"]
             metrics[f"load/{name}/capacity_rps"] = capacity
             rates = [f * capacity for f in cfg.auto_fractions] if cfg.rates == "auto" else list(cfg.rates)
@@ -424,7 +433,7 @@ def _measure(engine, prompts, cfg, bytes_per_step, peak_bytes_per_s, seed, progr
                 policy.steps = 0
                 duration = max(cfg.duration_s, cfg.min_requests / rate)
                 reqs, stopped = run_rate(policy, prompts, cfg.new_tokens, rate, duration, cfg.arrival,
-                                         limits, seed + i)
+                                         limits, seed + i, cfg.new_tokens_min)
                 row = {"policy": name, **summarize(reqs, rate, stopped, policy.steps, bytes_per_step,
                                                    peak_bytes_per_s, cfg.slo.ttft_ms, cfg.slo.tpot_ms)}
                 mine.append(row)
@@ -449,7 +458,8 @@ def _measure(engine, prompts, cfg, bytes_per_step, peak_bytes_per_s, seed, progr
 
 COLUMNS = ("policy", "offered_rps", "sent_rps", "achieved_rps", "makespan_rps", "tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50",
            "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "queue_ms_p50", "queue_ms_p99", "batch_mean", "batch_max",
-           "goodput_rps", "goodput_frac", "bw_gb_s", "bw_util", "late_ms_p99", "requests", "completed", "stopped")
+           "goodput_rps", "goodput_frac", "bw_gb_s", "bw_util", "late_ms_p99", "prompt_tokens_mean", "new_tokens_mean",
+           "requests", "completed", "stopped")
 
 
 def csv_text(rows: list[dict]) -> str:
