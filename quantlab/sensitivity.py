@@ -9,15 +9,19 @@
    scales and zero points, measured on the built module). ``bf16`` (the layer
    kept) is always a candidate: KL 0, 16 bits.
 2. **Recipe**: one candidate per layer minimising the summed KL under a budget
-   in bits per Linear weight (a multiple-choice knapsack: Lagrangian
-   relaxation, then a greedy fill of what budget is left). Summed per-layer KL
+   (a multiple-choice knapsack: Lagrangian relaxation, then a greedy fill of
+   what budget is left) in bits per Linear weight (``--budget-kind bits``) or
+   in milliseconds per decoded token spent in the Linear layers
+   (``--budget-kind ms``: each candidate module timed on this machine at
+   decode shape, one token, in the compute dtype, with its real kernel; see
+   :func:`time_layers`). Summed per-layer KL
    is a proxy; the recipe runs as a normal point
    (``scheme/weights=mixed scheme.weights.recipe=...``) so that its real KL,
    perplexity and latency are measured, not predicted.
 
 Writes ``sensitivity.json`` (the table; reused when model, candidates, corpus
 and token count match), ``sensitivity.png`` (layer x candidate heat map) and
-one ``<budget>b.yaml`` recipe per budget into ``--out``.
+one ``<budget>b.yaml`` (``<budget>ms.yaml``) recipe per budget into ``--out``.
 """
 from __future__ import annotations
 
@@ -26,7 +30,9 @@ import json
 import logging
 import sys
 import time
-from dataclasses import asdict, dataclass
+import copy
+import statistics
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,13 +45,17 @@ log = logging.getLogger("quantlab")
 
 @dataclass
 class Table:
-    """``kl[layer][candidate]``, ``bits[layer][candidate]``, ``numel[layer]``; ``key`` identifies what was measured."""
+    """``kl[layer][candidate]``, ``bits[layer][candidate]``, ``numel[layer]``
+    and, once timed, ``ms[layer][candidate]`` (decode-shape forward, ms);
+    ``key`` identifies what was measured."""
 
     key: dict
     candidates: list[str]
     numel: dict[str, int]
     kl: dict[str, dict[str, float]]
     bits: dict[str, dict[str, float]]
+    ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    timed_on: str = ""  # the CPU and threads ``ms`` ran on
 
     @property
     def layers(self) -> list[str]:
@@ -57,6 +67,18 @@ class Table:
 
     def predicted_kl(self, choice: dict[str, str]) -> float:
         return sum(self.kl[n][c] for n, c in choice.items())
+
+    def linear_ms(self, choice: dict[str, str]) -> float:
+        return sum(self.ms[n][c] for n, c in choice.items())
+
+    def cost(self, kind: str) -> dict[str, dict[str, float]]:
+        """Each layer's cost per candidate in budget units: its share of the
+        average bits per Linear weight (``bits``), or its ms per token (``ms``);
+        a recipe's cost is the sum over layers."""
+        if kind == "ms":
+            return self.ms
+        total = sum(self.numel.values())
+        return {n: {c: b * self.numel[n] / total for c, b in row.items()} for n, row in self.bits.items()}
 
 
 def _module_bytes(module: torch.nn.Module) -> int:
@@ -112,51 +134,97 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, candidates: list[str], dt
     return table
 
 
-def solve(table: Table, budget_bits: float) -> dict[str, str]:
-    """One candidate per layer, least summed KL with average bits <= budget."""
-    cheapest = {n: min(table.candidates, key=lambda c: (table.bits[n][c], table.kl[n][c])) for n in table.layers}
-    floor = table.average_bits(cheapest)
-    if floor > budget_bits + 1e-9:
-        raise UserError(f"budget {budget_bits:g} bits/weight is below the cheapest recipe ({floor:.3f}): "
+UNITS = {"bits": "bits/weight", "ms": "ms/token in Linear layers"}
+
+
+def solve(table: Table, budget: float, kind: str = "bits") -> dict[str, str]:
+    """One candidate per layer, least summed KL with summed cost (see
+    :meth:`Table.cost`) <= ``budget``."""
+    if kind == "ms" and not table.ms:
+        raise UserError("a latency budget needs the table's per-layer times (time_layers)")
+    cost = table.cost(kind)
+
+    def spent(choice: dict[str, str]) -> float:
+        return sum(cost[n][c] for n, c in choice.items())
+
+    floor = spent({n: min(table.candidates, key=lambda c: (cost[n][c], table.kl[n][c])) for n in table.layers})
+    if floor > budget + 1e-9:
+        raise UserError(f"budget {budget:g} {UNITS[kind]} is below the cheapest recipe ({floor:.3f}): "
                         f"add a smaller candidate or raise the budget")
-    total = sum(table.numel.values())
 
     def pick(lam: float) -> dict[str, str]:
-        return {n: min(table.candidates, key=lambda c: (table.kl[n][c] + lam * table.bits[n][c] *
-                                                         table.numel[n] / total, table.bits[n][c]))
+        return {n: min(table.candidates, key=lambda c: (table.kl[n][c] + lam * cost[n][c], cost[n][c]))
                 for n in table.layers}
 
+    budget += 1e-9 * max(1.0, budget)  # sums of float costs: the floor itself must fit
     lo, hi = 0.0, 1.0
-    while table.average_bits(pick(hi)) > budget_bits:
+    while spent(pick(hi)) > budget:  # ends: for a large enough lambda pick() is the cheapest recipe
         hi *= 2
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if table.average_bits(pick(mid)) > budget_bits else (lo, mid)
+        lo, hi = (mid, hi) if spent(pick(mid)) > budget else (lo, mid)
     choice = pick(hi)
-    while True:  # greedy fill: the upgrade with the most KL saved per bit that still fits
-        used = table.average_bits(choice) * total
+    while True:  # greedy fill: the upgrade with the most KL saved per unit of cost that still fits
+        used = spent(choice)
         best, best_rate = None, 0.0
         for n in table.layers:
             for c in table.candidates:
-                extra = (table.bits[n][c] - table.bits[n][choice[n]]) * table.numel[n]
+                extra = cost[n][c] - cost[n][choice[n]]
                 saved = table.kl[n][choice[n]] - table.kl[n][c]
-                if extra > 0 and saved > 0 and used + extra <= budget_bits * total and saved / extra > best_rate:
+                if extra > 0 and saved > 0 and used + extra <= budget and saved / extra > best_rate:
                     best, best_rate = (n, c), saved / extra
         if best is None:
             return choice
         choice[best[0]] = best[1]
 
 
-def recipe(table: Table, choice: dict[str, str], budget_bits: float) -> dict:
-    """The recipe YAML content: the most common candidate as ``default``, the rest by layer."""
+def _forward_ms(module: torch.nn.Module, x: torch.Tensor, repeats: int) -> float:
+    for _ in range(3):
+        module(x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter_ns()
+        module(x)
+        times.append((time.perf_counter_ns() - t) / 1e6)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def time_layers(model: torch.nn.Module, table: Table, dtype: torch.dtype, repeats: int = 30) -> None:
+    """Fill ``table.ms``: each layer's candidates, built as the point builds
+    them (real kernels, compute ``dtype``; ``bf16``: the layer kept in that
+    dtype), timed on one token (decode shape), median of ``repeats``, the
+    candidates of a layer interleaved round by round so drift hits them alike."""
+    from quantlab.schemes.mixed import KEEP, quantize_linear
+
+    for i, name in enumerate(table.layers):
+        lin = model.get_submodule(name)
+        mods = {c: copy.deepcopy(lin).to(dtype) if c == KEEP else quantize_linear(lin, c, dtype)
+                for c in table.candidates}
+        x = torch.randn(1, 1, lin.in_features, dtype=dtype)
+        rounds = {c: [] for c in mods}
+        for _ in range(3):
+            for c, m in mods.items():
+                rounds[c].append(_forward_ms(m, x, max(1, repeats // 3)))
+        table.ms[name] = {c: statistics.median(v) for c, v in rounds.items()}
+        if (i + 1) % 30 == 0 or i + 1 == len(table.layers):
+            log.info("timing: %d/%d layers", i + 1, len(table.layers))
+
+
+def recipe(table: Table, choice: dict[str, str], budget: float, kind: str = "bits") -> dict:
+    """The recipe YAML content: the most common candidate as ``default``, the
+    rest by layer; named ``<budget>b`` or ``<budget>ms``."""
     counts: dict[str, int] = {}
     for c in choice.values():
         counts[c] = counts.get(c, 0) + 1
     default = max(counts, key=counts.get)
-    return {"name": f"{budget_bits:g}b", "default": default,
-            "layers": {n: c for n, c in choice.items() if c != default},
-            "predicted": {"bits_per_linear_weight": round(table.average_bits(choice), 4),
-                          "kl_sum": float(f"{table.predicted_kl(choice):.4g}"), "layers_by_candidate": counts},
+    predicted = {"bits_per_linear_weight": round(table.average_bits(choice), 4),
+                 "kl_sum": float(f"{table.predicted_kl(choice):.4g}"), "layers_by_candidate": counts}
+    if table.ms:
+        predicted["linear_ms_per_token"] = round(table.linear_ms(choice), 4)
+        predicted["timed_on"] = table.timed_on
+    return {"name": f"{budget:g}{'b' if kind == 'bits' else 'ms'}", "default": default,
+            "layers": {n: c for n, c in choice.items() if c != default}, "predicted": predicted,
             "source": table.key}
 
 
@@ -201,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m quantlab.sensitivity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="a conf/model preset")
     ap.add_argument("--candidates", default="int4-g64,int4-g32,int8")
-    ap.add_argument("--budgets", default="5.0", help="bits per Linear weight, comma-separated")
+    ap.add_argument("--budgets", default="5.0", help="comma-separated budgets, in --budget-kind units")
+    ap.add_argument("--budget-kind", default="bits", choices=sorted(UNITS),
+                    help="bits: bits per Linear weight; ms: ms per decoded token in the Linear layers (timed here)")
     ap.add_argument("--corpus", default="auto", help="fidelity text: auto (WikiText-2 when present), builtin, ...")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--compute-dtype", default="bfloat16")
@@ -219,9 +289,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"candidates {bad or '(none)'}; valid: bf16, int8, int4-g32/g64/g128/g256[-sym]")
         budgets = [float(b) for b in args.budgets.split(",")]
         if any(b <= 0 for b in budgets) or args.tokens < 2:
-            raise UserError("budgets must be > 0 bits/weight and --tokens >= 2")
+            raise UserError("budgets must be > 0 and --tokens >= 2")
         table = run(args.model, candidates, args.corpus, args.tokens, args.compute_dtype,
-                    Path(args.out or f"recipes/{args.model}"), args.data_dir, args.cache_dir, budgets)
+                    Path(args.out or f"recipes/{args.model}"), args.data_dir, args.cache_dir, budgets,
+                    args.budget_kind)
     except (UserError, ValueError) as e:
         print(f"quantlab.sensitivity: {e}", file=sys.stderr)
         return 2
@@ -230,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(model_name: str, candidates: list[str], corpus_name: str, tokens: int, compute_dtype: str, out: Path,
-        data_dir: str | None, cache_dir: str, budgets: list[float]) -> Table:
-    """Measure (or reuse) the table, draw it, write a recipe per budget."""
+        data_dir: str | None, cache_dir: str, budgets: list[float], kind: str = "bits") -> Table:
+    """Measure (or reuse) the table, time its layers where a latency budget
+    needs them (the times are this machine's: kept in the table, with the CPU
+    they ran on), draw it, write a recipe per budget."""
     from quantlab import models
     from quantlab.probes import corpus
     from quantlab.schemes.layers import DEFAULT_SKIP
@@ -248,19 +321,31 @@ def run(model_name: str, candidates: list[str], corpus_name: str, tokens: int, c
         if data.get("key") == key:
             table = Table(**data)
             log.info("sensitivity: reusing %s (same model, candidates, corpus, tokens)", cached)
+    model = None
     if table is None:
         model, tok = models.load(cfg, cache_dir)
         ids = corpus.token_ids(tok, corpus_used, tokens, data_dir)
         log.info("sensitivity: %s, %d tokens of %s, candidates %s", model_name, tokens, corpus_used, candidates)
         table = measure(model, ids, candidates, getattr(torch, compute_dtype), list(DEFAULT_SKIP), key)
         cached.write_text(json.dumps(asdict(table), indent=1))
+    if kind == "ms" and not table.ms:
+        from quantlab import hardware
+
+        model = model or models.load(cfg, cache_dir)[0]
+        log.info("sensitivity: timing %d layers x %d candidates at decode shape", len(table.layers),
+                 len(table.candidates))
+        time_layers(model.float(), table, getattr(torch, compute_dtype))
+        table.timed_on = f"{hardware.cpu().name}, {torch.get_num_threads()} threads"
+        cached.write_text(json.dumps(asdict(table), indent=1))
     heatmap(table, out / "sensitivity.png")
     for b in budgets:
-        r = recipe(table, solve(table, b), b)
-        path = out / f"{b:g}b.yaml"
+        r = recipe(table, solve(table, b, kind), b, kind)
+        path = out / f"{r['name']}.yaml"
         path.write_text(yaml.safe_dump(r, sort_keys=False))
-        log.info("recipe %s: %.3f bits/Linear weight, predicted KL sum %.3g, %s", path,
-                 r["predicted"]["bits_per_linear_weight"], r["predicted"]["kl_sum"], r["predicted"]["layers_by_candidate"])
+        log.info("recipe %s: %.3f bits/Linear weight%s, predicted KL sum %.3g, %s", path,
+                 r["predicted"]["bits_per_linear_weight"],
+                 f", {r['predicted']['linear_ms_per_token']:.3f} ms/token" if table.ms else "",
+                 r["predicted"]["kl_sum"], r["predicted"]["layers_by_candidate"])
     return table
 
 

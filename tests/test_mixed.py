@@ -128,3 +128,26 @@ def test_sensitivity_cli_bad_input_is_one_line(args, message, tmp_path):
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("quantlab.sensitivity: ") and message in err[0], \
         proc.stderr
+
+
+def test_latency_budget_solver_and_layer_times_on_the_tiny_model(tmp_path):
+    table = _table([[0.9, 0.5, 0.01], [0.02, 0.01, 0.001], [0.3, 0.2, 0.05]], [4.5, 5.0, 8.25], [100, 100, 100])
+    with pytest.raises(UserError, match="per-layer times"):
+        sensitivity.solve(table, 1.0, "ms")
+    # int8 the fastest kernel here, bf16 the slowest: the solver spends time where KL falls most
+    table.ms = {n: {"bf16": 3.0, "int4-g64": 1.0, "int4-g32": 1.1, "int8": 0.8} for n in table.layers}
+    for budget in (2.4, 3.0, 4.0, 9.0):
+        choice = sensitivity.solve(table, budget, "ms")
+        assert table.linear_ms(choice) <= budget + 1e-9
+        best = min((dict(zip(table.layers, c)) for c in itertools.product(CANDS, repeat=3)
+                    if table.linear_ms(dict(zip(table.layers, c))) <= budget + 1e-9), key=table.predicted_kl)
+        assert table.predicted_kl(choice) == pytest.approx(table.predicted_kl(best))
+    with pytest.raises(UserError, match="budget 1 ms/token in Linear layers is below the cheapest recipe .2.400"):
+        sensitivity.solve(table, 1.0, "ms")
+    out = tmp_path / "recipes"
+    timed = sensitivity.run("tiny", ["int4-g32", "int8"], "builtin", 64, "bfloat16", out, None, str(tmp_path),
+                            [1000.0], "ms")
+    assert set(timed.ms) == set(timed.layers) and all(v > 0 for row in timed.ms.values() for v in row.values())
+    r = yaml.safe_load((out / "1000ms.yaml").read_text())
+    assert r["name"] == "1000ms" and r["predicted"]["linear_ms_per_token"] > 0 and r["predicted"]["timed_on"]
+    assert r["default"] == "bf16" and not r["layers"]  # an unbounded budget keeps every layer
