@@ -75,6 +75,13 @@ class Engine(abc.ABC):
                              f"{sorted({len(p) for p in prompts})}")
         return self.decode(torch.stack(prompts), n_new, clock)
 
+    def scheduler(self, max_batch: int, max_tokens: int):
+        """The engine's own continuous-batching scheduler as a load policy
+        (:class:`quantlab.probes.load.Policy`) of at most ``max_batch``
+        sequences of ``max_tokens`` tokens, where ``cannot("continuous")`` is
+        empty."""
+        raise ValueError(f"the {self.name} engine has no scheduler: {self.cannot('continuous')}")
+
     def reset(self) -> None:
         """Engines that keep no state between calls have nothing to do."""
 

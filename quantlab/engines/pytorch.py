@@ -53,6 +53,12 @@ class TorchEngine(Engine):
                     "would not apply (dynamic and passthrough use it)")
         return ""
 
+    def scheduler(self, max_batch: int, max_tokens: int):
+        """transformers' continuous batching over this model (paged KV cache)."""
+        from quantlab.probes.load import ContinuousPolicy
+
+        return ContinuousPolicy(self.model, max_batch, max_tokens)
+
     @torch.inference_mode()
     def request_cache(self, batch: int) -> Any:
         """The cache one request of ``batch`` sequences decodes into: a new one,

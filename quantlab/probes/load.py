@@ -371,7 +371,7 @@ NEEDS = {"continuous": "continuous", "dynamic": "batch", "passthrough": ""}
 def make_policy(name: str, engine, cfg) -> Policy:
     """The policy ``name`` over ``engine`` (``cfg``: :class:`LoadProbeConfig`)."""
     if name == "continuous":
-        return ContinuousPolicy(engine.model, cfg.max_batch, cfg.prompt_tokens + cfg.new_tokens)
+        return engine.scheduler(cfg.max_batch, cfg.prompt_tokens + cfg.new_tokens)
     if name == "dynamic":
         return BatchPolicy(engine, cfg.max_batch, cfg.max_wait_ms)
     if name == "passthrough":

@@ -34,6 +34,7 @@ from quantlab.digest import sha256_file
 from quantlab.engines.base import CAPABILITIES, Engine
 from quantlab.errors import UserError
 from quantlab.hardware import Hardware
+from quantlab.probes import llama_server
 from quantlab.schemes.registry import Applied, Support, kv_handler, weights_handler
 from quantlab.targets import register
 from quantlab.targets.base import Target, worst
@@ -110,23 +111,35 @@ class LlamaCppEngine(Engine):
         except (ValueError, RuntimeError) as e:
             raise UserError(f"llama.cpp cannot load {path}: {str(e).splitlines()[0]}") from e
         super().__init__(vocab_size, cfg.n_ctx)
+        self.extra_buffers = extra
         self.metrics["llamacpp/extra_buffers"] = float(extra)
         self.path = Path(path)
         self.n_vocab = self.llm.n_vocab()
         self.threads = threads
+        self.kv_type = kv_type
         self._lc = lc
         self._batch = lc._internals.LlamaBatch(n_tokens=cfg.n_batch, embd=0, n_seq_max=1)
 
     def cannot(self, probe: str) -> str:
         if probe == "stages":
             return "llama.cpp runs a whole step natively: no per-module timing"
-        if probe in ("batch", "continuous"):
-            return ("llama-cpp-python's Llama decodes one sequence; llama.cpp's parallel slots are llama-server's, "
-                    "not driven here: only passthrough serves this point")
+        if probe == "batch":
+            return ("llama-cpp-python's Llama decodes one sequence (llama.cpp batches through llama-server's "
+                    "slots: policy continuous)")
+        if probe == "continuous" and llama_server.binary() is None:
+            return (f"llama.cpp's parallel slots are llama-server's, and none was found: set QUANTLAB_LLAMA_SERVER "
+                    f"or put llama-server on PATH ({llama_server.BUILD})")
         if probe == "cache":
             return ("llama.cpp attends through its (quantized) cache in every forward, so it has no cache-free "
                     "reference: compare fid/* and perplexity against the f16-cache point")
         return "" if probe in CAPABILITIES else super().cannot(probe)
+
+    def scheduler(self, max_batch: int, max_tokens: int):
+        """llama-server on this GGUF: ``max_batch`` slots with this engine's
+        threads, KV cache type and batch size."""
+        server = llama_server.LlamaServer(self.path, max_batch, max(256, max_tokens + 16), self.threads, self.kv_type,
+                                          self.llm.n_batch, self.extra_buffers)
+        return llama_server.ServerPolicy(server, max_batch)
 
     def _clear(self) -> None:
         self._lc.llama_memory_clear(self._lc.llama_get_memory(self.llm.ctx), True)
@@ -208,9 +221,9 @@ class LlamaCppTarget(Target):
         cache_type = kv_handler(kv_cfg).mapping("gguf", kv_cfg).spec["type"]
         eng = LlamaCppEngine(path, self.cfg, cache_type, model.config.vocab_size)
         eng.ready_s = time.perf_counter() - t
-        eng.metrics = {"compile/gguf_export_s": export_s, "compile/gguf_cached": float(cached),
-                       "size/gguf_mb": path.stat().st_size / 2**20,
-                       "size/runtime_weight_bytes": gguf_export.tensor_bytes(path)}
+        eng.metrics.update({"compile/gguf_export_s": export_s, "compile/gguf_cached": float(cached),
+                            "size/gguf_mb": path.stat().st_size / 2**20,
+                            "size/runtime_weight_bytes": gguf_export.tensor_bytes(path)})
         return eng
 
     def _export(self, model: torch.nn.Module, tokenizer, source: Path | None) -> tuple[Path, bool]:

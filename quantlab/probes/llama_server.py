@@ -1,0 +1,199 @@
+"""llama.cpp's own scheduler under load: ``llama-server`` with parallel slots.
+
+The llama-cpp-python binding decodes one sequence; llama.cpp serves many
+through ``llama-server`` (one KV slot per sequence, continuous batching: every
+step decodes one token of each running slot, a new request's prompt joins the
+next step). :class:`ServerPolicy` starts that binary on the point's GGUF on
+127.0.0.1 and sends each request as a streamed ``/completion`` of the prompt's
+token ids (greedy: ``top_k=1``; ``ignore_eos``; no prompt cache, so every
+request pays its prefill as under the other policies).
+
+What is measured where: token times are when each streamed token reached
+the client (what a user of the server sees); ``start_s`` (end of queueing) is
+the first token's time less the prefill time the server reports; ``steps`` is
+the server's ``llama_decode`` count (``/metrics``, ``n_decode_total``). The
+server streams a token only once the text is whole UTF-8: a token it holds
+back (part of a character) is timed when the one completing it arrives, and
+its id is unknown to the client (``-1`` in ``Request.tokens``).
+
+The binary: ``$QUANTLAB_LLAMA_SERVER`` or ``llama-server`` on ``PATH``
+(``scripts/build_llama_server.sh`` builds the one matching llama-cpp-python's
+llama.cpp).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from quantlab.errors import UserError
+from quantlab.probes.load import Policy, Request
+
+BUILD = "scripts/build_llama_server.sh"
+
+
+def binary() -> str | None:
+    """The llama-server to run, or None."""
+    path = os.environ.get("QUANTLAB_LLAMA_SERVER") or shutil.which("llama-server")
+    return path if path and os.access(path, os.X_OK) else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """A running ``llama-server`` on the GGUF at ``path``, ``slots`` parallel
+    sequences of ``ctx`` tokens each; ``close()`` stops it."""
+
+    def __init__(self, path: Path, slots: int, ctx: int, threads: int, kv_type: str, n_batch: int,
+                 extra_buffers: bool, ready_timeout_s: float = 120.0):
+        exe = binary()
+        if exe is None:
+            raise UserError(f"no llama-server: set QUANTLAB_LLAMA_SERVER or put llama-server on PATH ({BUILD})")
+        self.port = _free_port()
+        cmd = [exe, "-m", str(path), "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
+               "-c", str(slots * ctx), "-t", str(threads), "-tb", str(threads), "-b", str(n_batch),
+               "-ub", str(n_batch), "-ctk", kv_type.lower(), "-ctv", kv_type.lower(),
+               "-fa", "off" if kv_type == "F16" else "on", "--cont-batching", "--metrics", "--no-webui",
+               "--cache-ram", "0", "--no-warmup", "-ngl", "0"]
+        if not extra_buffers:
+            cmd.append("--no-repack")
+        self.log = tempfile.NamedTemporaryFile(prefix="quantlab-llama-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({self.proc.returncode}): {self._tail()}")
+            try:
+                if self._get("/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.close()
+        raise RuntimeError(f"llama-server not ready after {ready_timeout_s:g} s: {self._tail()}")
+
+    def _tail(self) -> str:
+        return " | ".join(Path(self.log.name).read_text(errors="replace").strip().splitlines()[-3:])
+
+    def _get(self, route: str) -> tuple[int, str]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            conn.request("GET", route)
+            resp = conn.getresponse()
+            return resp.status, resp.read().decode()
+        finally:
+            conn.close()
+
+    def decode_calls(self) -> float:
+        """The server's ``llama_decode`` count so far."""
+        status, text = self._get("/metrics")
+        for line in text.splitlines():
+            if line.startswith("llamacpp:n_decode_total"):
+                return float(line.split()[-1])
+        raise RuntimeError(f"llama-server /metrics ({status}) has no n_decode_total")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+class ServerPolicy(Policy):
+    """Requests through llama-server's slots (see the module docstring). One
+    client thread per request in flight; ``batch``: requests in flight when a
+    request's first token came out."""
+
+    def __init__(self, server: LlamaServer, slots: int):
+        super().__init__()
+        self.server, self.slots = server, slots
+
+    def _one(self, r: Request, t0: float, conns: dict, ended: set, errors: list) -> None:
+        body = json.dumps({"prompt": r.prompt.tolist(), "n_predict": r.n_new, "stream": True, "top_k": 1,
+                           "samplers": ["top_k"], "ignore_eos": True, "cache_prompt": False,
+                           "return_tokens": True})
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=600)
+        conns[r.rid] = conn
+        try:
+            conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                errors.append(f"llama-server answered {resp.status}: {resp.read()[:300].decode(errors='replace')}")
+                return
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                now = time.perf_counter() - t0
+                event = json.loads(line[6:])
+                n = min(int(event.get("tokens_predicted", 0)), r.n_new)
+                while len(r.tokens_s) < n:  # tokens held back reach the client with the one that follows
+                    r.tokens_s.append(now)
+                    r.tokens.append(-1)
+                if event.get("tokens") and n:
+                    r.tokens[n - 1] = int(event["tokens"][-1])
+                if event.get("stop"):
+                    prefill_s = event.get("timings", {}).get("prompt_ms", 0.0) / 1e3
+                    if r.tokens_s:
+                        r.start_s = max(r.sent_s, r.tokens_s[0] - prefill_s)
+                    break
+        except OSError:  # the connection was closed because the rate stopped
+            pass
+        finally:
+            conn.close()
+            ended.add(r.rid)
+
+    def serve(self, requests, t0, last_due_s, limits, start) -> str:
+        threads: list[threading.Thread] = []
+        conns: dict[int, http.client.HTTPConnection] = {}
+        ended: set[int] = set()
+        errors: list[str] = []
+
+        def submit(r: Request) -> None:
+            th = threading.Thread(target=self._one, args=(r, t0, conns, ended, errors), daemon=True)
+            threads.append(th)
+            th.start()
+
+        before = self.server.decode_calls()
+        start(submit)
+        stopped = ""
+        while not errors:
+            left = len(requests) - len(ended)
+            if not left:
+                break
+            in_flight = sum(1 for r in requests if not math.isnan(r.sent_s)) - len(ended)
+            if stopped := limits.why_stop(time.perf_counter() - t0, in_flight - self.slots, left, last_due_s):
+                break
+            time.sleep(0.02)
+        for conn in list(conns.values()):  # closing a stream makes the server cancel its task
+            if conn.sock is not None:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        for th in threads:
+            th.join(30)
+        if errors:
+            raise RuntimeError(errors[0])
+        self.steps += int(self.server.decode_calls() - before)
+        for r in requests:
+            if r.done:
+                r.batch = sum(1 for q in requests if q.done and q.start_s <= r.tokens_s[0] <= q.tokens_s[-1])
+        return stopped
+
+    def close(self) -> None:
+        self.server.close()

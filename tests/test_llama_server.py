@@ -1,0 +1,89 @@
+"""llama.cpp's own scheduler under load: llama-server's parallel slots serve a
+point's GGUF, tokens equal the binding's greedy decode, and requests share
+decode steps. The server binary is built once from the llama.cpp that
+llama-cpp-python vendors (scripts/build_llama_server.sh, cached by version)."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantlab import gguf_export, models
+from quantlab.config import LoadProbeConfig, ModelConfig, TinyModelConfig
+from quantlab.errors import UserError
+from quantlab.probes import llama_server, load
+from tests.conftest import REPO
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'quantlab[llamacpp]')")
+from quantlab.targets.llamacpp import LlamaCppEngine, LlamaCppTargetConfig  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def server_bin():
+    """An existing llama-server, else one built (once per llama-cpp-python
+    version) into ~/.cache/quantlab/llama-server/<version>/."""
+    found = llama_server.binary()
+    if found:
+        return found
+    version = importlib.metadata.version("llama-cpp-python")
+    prefix = Path(os.environ.get("QUANTLAB_CACHE", "~/.cache/quantlab")).expanduser() / "llama-server" / version
+    if not (prefix / "llama-server").is_file():
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "build_llama_server.sh"), str(prefix)],
+                              capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            pytest.skip(f"could not build llama-server (needs PyPI and cmake): {proc.stderr[-500:]}")
+    return str(prefix / "llama-server")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    # head_dim 32, as llama.cpp's quantized caches need; float weights (F32 GGUF)
+    model = models.tiny_model(ModelConfig(name="tiny", source="tiny",
+                                          tiny=TinyModelConfig(hidden_size=128, intermediate_size=256)))
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    gguf_export.write(model, models.byte_tokenizer(), path)
+    eng = LlamaCppEngine(path, LlamaCppTargetConfig(threads=2, n_ctx=256), "F16", model.config.vocab_size)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_llama_server_slots_serve_concurrent_requests_with_the_bindings_tokens(server_bin, engine, monkeypatch):
+    monkeypatch.setenv("QUANTLAB_LLAMA_SERVER", server_bin)
+    assert load.cannot("continuous", engine) == ""
+    prompts = [torch.arange(4 + 3 * i) + 10 * i + 3 for i in range(4)]
+    policy = engine.scheduler(4, 48)
+    try:
+        reqs, stopped = load.run_rate(policy, prompts, 12, 1000.0, 0.008, "constant",
+                                      load.Limits(max_backlog=50, drain_s=60), 0)
+    finally:
+        policy.close()
+    assert policy.server.proc.poll() is not None  # closed
+    assert stopped == "" and len(reqs) == 8 and all(r.done and len(r.tokens) == 12 for r in reqs)
+    assert all(r.sent_s <= r.start_s <= r.tokens_s[0] and r.tokens_s == sorted(r.tokens_s) for r in reqs)
+    # parallel slots: requests ran beside each other and shared llama_decode calls
+    assert max(r.batch for r in reqs) > 1
+    assert 0 < policy.steps < sum(r.n_new for r in reqs)
+    # every token the server streamed is the binding's greedy token at that position (the
+    # byte tokenizer's tokens >= 128 are partial UTF-8 the server holds back: -1 here)
+    known = 0
+    for r in reqs[:4]:
+        ref = torch.cat(engine.decode(r.prompt[None], 12).chosen, dim=1)[0].tolist()
+        assert all(t in (-1, want) for t, want in zip(r.tokens, ref)), (r.tokens, ref)
+        known += sum(t != -1 for t in r.tokens)
+    assert known >= 30
+
+
+def test_llamacpp_engine_without_a_server_says_how_to_get_one(engine, monkeypatch):
+    monkeypatch.setenv("QUANTLAB_LLAMA_SERVER", "/nonexistent/llama-server")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    why = load.cannot("continuous", engine)
+    assert "QUANTLAB_LLAMA_SERVER" in why and "build_llama_server.sh" in why
+    assert "one sequence" in load.cannot("dynamic", engine) and load.cannot("passthrough", engine) == ""
+    with pytest.raises(UserError, match="no llama-server: set QUANTLAB_LLAMA_SERVER"):
+        load.make_policy("continuous", engine, LoadProbeConfig())
