@@ -114,7 +114,7 @@ def test_recipe_errors_are_clear(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--candidates", "int4-g48"], "candidates ['int4-g48']; valid: bf16, int8"),
-    (["--budgets", "0"], "budgets must be > 0 bits/weight"),
+    (["--budgets", "0"], "budgets must be > 0 and --tokens >= 2"),
     (["--model", "nope"], "unknown model 'nope'; valid:"),
 ])
 def test_sensitivity_cli_bad_input_is_one_line(args, message, tmp_path):

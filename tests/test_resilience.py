@@ -175,7 +175,8 @@ def test_timings_are_never_reused_from_another_host(tmp_path):
     server): points that time are re-measured; the summary names where a
     reused point came from."""
     uri, store = _store(tmp_path)
-    sweep = ["-m", "model=tiny", "scheme/weights=fp32,bf16", "probe.latency.repeats=1"]
+    sweep = ["-m", "model=tiny", "scheme/weights=fp32,bf16", "probe.latency.repeats=1", "probe.latency.new_tokens=4",
+             "probe.cache.enabled=false"]
     assert run_cli([*sweep, *store]).returncode == 0
     client = MlflowClient(tracking_uri=uri)
     for r in _runs(uri):
@@ -184,7 +185,7 @@ def test_timings_are_never_reused_from_another_host(tmp_path):
     assert again.returncode == 0 and again.stdout.count("| reused") == 0
     assert len(_runs(uri, "FINISHED")) == 4
     # without timings, the other host's accuracy/fidelity figures are reusable
-    no_lat = ["-m", "model=tiny", "scheme/weights=fp32", "probe.latency.enabled=false"]
+    no_lat = ["-m", "model=tiny", "scheme/weights=fp32", "probe.latency.enabled=false", "probe.cache.enabled=false"]
     assert run_cli([*no_lat, *store]).returncode == 0
     for r in _runs(uri):
         tracking.set_tags(client, r.info.run_id, {tracking.HOST_ID_TAG: "elsewhere", "host.fingerprint": "Other CPU"})

@@ -47,7 +47,8 @@ def test_sweep_outcomes_match_matrix(tmp_path, matrix):
     schemes = ",".join(presets("scheme/weights"))
     proc = run_cli(["-m", "model=tiny", "model.tiny.hidden_size=128", "model.tiny.intermediate_size=256",
                     f"scheme/weights={schemes}", "target=cpu,cuda", "probe.latency.repeats=1",
-                    "probe.latency.stages=false", "probe.cache.enabled=false",
+                    "probe.latency.stages=false", "probe.cache.enabled=false", "probe.fidelity.tokens=32",
+                    "probe.latency.prompt_tokens=8", "probe.latency.new_tokens=4",
                     "seed=0",
                     f"data_dir={SHARED_DATA}", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"],
                    timeout=1500)
