@@ -181,7 +181,7 @@ class SLOConfig:
 class LoadProbeConfig:
     """Open-loop load (:mod:`quantlab.probes.load`). ``rates``: requests/s, or
     ``auto`` (``auto_fractions`` of each policy's measured capacity).
-    ``policies``: ``continuous`` (transformers' scheduler), ``dynamic``
+    ``policies``: ``continuous`` (the engine's scheduler), ``dynamic``
     (quantlab's reference batcher: ``max_batch``, ``max_wait_ms``),
     ``passthrough`` (one request at a time). ``goodput`` needs both SLOs.
     ``prompts``: ``windows`` (consecutive ``prompt_tokens``-token windows of

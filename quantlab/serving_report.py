@@ -64,8 +64,8 @@ def section(client, runs, out: Path, title: str) -> tuple[str, list[str]]:
         parts += ["### 1. Capacity under the SLO", _md(head, rows),
                   "knee: the highest offered rate that ended normally, kept up (achieved >= 0.9 x arrivals) and "
                   "met the P99 TTFT SLO. Arrivals late: submitted minus scheduled, with no model running (idle) "
-                  "and the worst rate's P99 while serving. continuous = transformers' scheduler; dynamic = "
-                  "quantlab's reference "
+                  "and the worst rate's P99 while serving. continuous = the engine's own scheduler (transformers' "
+                  "continuous batching; llama-server's slots on llamacpp); dynamic = quantlab's reference "
                   "batcher (max batch, max wait); passthrough = one request at a time."]
         head = ["point", "policy", "offered", "achieved", "TTFT p50", "TTFT p99", "ITL p99", "E2E p50", "E2E p99",
                 "mean batch", "ended"]
