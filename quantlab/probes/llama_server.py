@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from quantlab.errors import UserError
-from quantlab.probes.load import Policy, Request
+from quantlab.probes.load import Policy, Request, count_overlaps
 
 BUILD = "scripts/build_llama_server.sh"
 
@@ -190,9 +190,7 @@ class ServerPolicy(Policy):
         if errors:
             raise RuntimeError(errors[0])
         self.steps += int(self.server.decode_calls() - before)
-        for r in requests:
-            if r.done:
-                r.batch = sum(1 for q in requests if q.done and q.start_s <= r.tokens_s[0] <= q.tokens_s[-1])
+        count_overlaps(requests)
         return stopped
 
     def close(self) -> None:

@@ -210,6 +210,15 @@ class BatchPolicy(Policy):
 
 
 
+def count_overlaps(requests: list[Request]) -> None:
+    """For a scheduler that does not report its batches: each finished
+    request's ``batch`` = the finished requests in flight when its first
+    token came out (itself included)."""
+    for r in requests:
+        if r.done:
+            r.batch = sum(1 for q in requests if q.done and q.start_s <= r.tokens_s[0] <= q.tokens_s[-1])
+
+
 class ContinuousPolicy(Policy):
     """transformers' continuous batching (``ContinuousBatchingManager``, paged
     KV cache, FIFO scheduler) over the point's own model and quantized layers:
@@ -263,9 +272,7 @@ class ContinuousPolicy(Policy):
             for rid, r in key.items():
                 if not r.done and not math.isnan(r.sent_s):
                     self.manager.cancel_request(rid)
-        for r in requests:
-            if r.done:
-                r.batch = sum(1 for q in requests if q.done and q.start_s <= r.tokens_s[0] <= q.tokens_s[-1])
+        count_overlaps(requests)
         return stopped
 
     def close(self) -> None:
