@@ -87,3 +87,12 @@ def test_llamacpp_engine_without_a_server_says_how_to_get_one(engine, monkeypatc
     assert "one sequence" in load.cannot("dynamic", engine) and load.cannot("passthrough", engine) == ""
     with pytest.raises(UserError, match="no llama-server: set QUANTLAB_LLAMA_SERVER"):
         load.make_policy("continuous", engine, LoadProbeConfig())
+
+
+def test_a_server_that_cannot_start_fails_with_its_last_lines(tmp_path, monkeypatch):
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'error: model file is not a GGUF' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("QUANTLAB_LLAMA_SERVER", str(fake))
+    with pytest.raises(RuntimeError, match=r"llama-server exited \(1\): error: model file is not a GGUF"):
+        llama_server.LlamaServer(tmp_path / "none.gguf", 2, 64, 1, "F16", 32, True)

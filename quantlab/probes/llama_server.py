@@ -74,15 +74,18 @@ class LlamaServer:
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}): {self._tail()}")
+                why = f"llama-server exited ({self.proc.returncode}): {self._tail()}"
+                self.close()
+                raise RuntimeError(why)
             try:
                 if self._get("/health")[0] == 200:
                     return
             except OSError:
                 pass
             time.sleep(0.1)
+        why = f"llama-server not ready after {ready_timeout_s:g} s: {self._tail()}"
         self.close()
-        raise RuntimeError(f"llama-server not ready after {ready_timeout_s:g} s: {self._tail()}")
+        raise RuntimeError(why)
 
     def _tail(self) -> str:
         return " | ".join(Path(self.log.name).read_text(errors="replace").strip().splitlines()[-3:])
