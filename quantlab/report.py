@@ -350,14 +350,13 @@ def main(argv: list[str] | None = None) -> int:
         client, exp = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
                                                       artifact_root=None))
         parent = _find_parent(client, exp, args.sweep)
-        if args.objective != "auto":
-            objective([], args.objective)
+        budgets = tuple(float(b) for b in args.budgets.split(","))
+        # build() checks the objective before it writes anything
+        print(build(client, exp, parent, args.metric, budgets, Path(args.out) if args.out else None,
+                    not args.no_log, args.objective))
     except UserError as e:
         print(f"quantlab.report: {e}", file=sys.stderr)
         return 2
-    budgets = tuple(float(b) for b in args.budgets.split(","))
-    print(build(client, exp, parent, args.metric, budgets, Path(args.out) if args.out else None,
-                not args.no_log, args.objective))
     return 0
 
 

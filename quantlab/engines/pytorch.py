@@ -106,7 +106,7 @@ class TorchEngine(Engine):
         token, so every row decodes the tokens it would alone (tested)."""
         lengths = [len(p) for p in prompts]
         if len(set(lengths)) == 1:
-            return self.decode(torch.stack(prompts), n_new, clock)
+            return super().decode_batch(prompts, n_new, clock)
         width = max(lengths)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)

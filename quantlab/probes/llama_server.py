@@ -61,7 +61,7 @@ class LlamaServer:
         exe = binary()
         if exe is None:
             raise UserError(f"no llama-server: set QUANTLAB_LLAMA_SERVER or put llama-server on PATH ({BUILD})")
-        self.port = _free_port()
+        self.port, self.slots = _free_port(), slots
         cmd = [exe, "-m", str(path), "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
                "-c", str(slots * ctx), "-t", str(threads), "-tb", str(threads), "-b", str(n_batch),
                "-ub", str(n_batch), "-ctk", kv_type.lower(), "-ctv", kv_type.lower(),
@@ -124,9 +124,9 @@ class ServerPolicy(Policy):
     client thread per request in flight; ``batch``: requests in flight when a
     request's first token came out."""
 
-    def __init__(self, server: LlamaServer, slots: int):
+    def __init__(self, server: LlamaServer):
         super().__init__()
-        self.server, self.slots = server, slots
+        self.server = server
 
     def _one(self, r: Request, t0: float, conns: dict, ended: set, errors: list) -> None:
         body = json.dumps({"prompt": r.prompt.tolist(), "n_predict": r.n_new, "stream": True, "top_k": 1,
@@ -182,7 +182,8 @@ class ServerPolicy(Policy):
             if not left:
                 break
             in_flight = sum(1 for r in requests if not math.isnan(r.sent_s)) - len(ended)
-            if stopped := limits.why_stop(time.perf_counter() - t0, in_flight - self.slots, left, last_due_s):
+            if stopped := limits.why_stop(time.perf_counter() - t0, in_flight - self.server.slots, left,
+                                          last_due_s):
                 break
             time.sleep(0.02)
         for conn in list(conns.values()):  # closing a stream makes the server cancel its task

@@ -139,7 +139,7 @@ class LlamaCppEngine(Engine):
         threads, KV cache type and batch size."""
         server = llama_server.LlamaServer(self.path, max_batch, max(256, max_tokens + 16), self.threads, self.kv_type,
                                           self.llm.n_batch, self.extra_buffers)
-        return llama_server.ServerPolicy(server, max_batch)
+        return llama_server.ServerPolicy(server)
 
     def _clear(self) -> None:
         self._lc.llama_memory_clear(self._lc.llama_get_memory(self.llm.ctx), True)
