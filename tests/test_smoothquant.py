@@ -18,6 +18,7 @@ from quantlab.schemes.smoothquant import W8A8Scheme
 from tests.test_awq import _outlier_model
 
 SQ = W8A8Scheme(smooth=True, calibration="builtin", n_samples=4, seq_len=64)
+SQ_AUTO = W8A8Scheme(smooth=True, grid=10, calibration="builtin", n_samples=4, seq_len=64)
 
 
 def _apply(model, cfg, tmp_path):
@@ -59,12 +60,35 @@ def test_smoothquant_beats_naive_w8a8_with_outlier_channels(tmp_path):
     ids = corpus.token_ids(models.byte_tokenizer(), "builtin", 128)
     ref = fidelity.logprobs(TorchEngine(_outlier_model()), ids)
     kls = {}
-    for cfg in (SQ, W8A8Scheme(smooth=False)):
+    for cfg in (SQ, SQ_AUTO, W8A8Scheme(smooth=False)):
         model = _outlier_model()
         applied = _apply(model, cfg, tmp_path)
         assert not applied.emulated and isinstance(model.model.layers[0].mlp.down_proj, Int8DynLinear)
         kls[cfg.short_name()] = fidelity.compare(ref, fidelity.logprobs(TorchEngine(model), ids))["fid/kl_mean"]
+        if cfg is SQ_AUTO:  # the search says how much output error it removed on the calibration rows
+            assert 0 < float(applied.tags["smoothquant.error_vs_naive"]) < 1
     assert kls["w8a8-sq"] < 0.8 * kls["w8a8"], kls
+    assert kls["w8a8-sq-auto"] < 0.8 * kls["w8a8"], kls
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), outlier=st.floats(5, 100))
+def test_searched_alpha_is_no_worse_than_a_fixed_one(seed, outlier):
+    """The searched scales' W8A8 output error is at most that of every alpha on
+    the grid (0.5 included), and below naive W8A8's where channels are outliers."""
+    from quantlab.schemes.smoothquant import search_alpha, smoothing_scales, w8a8_error
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 32, generator=gen)
+    x[:, :3] *= outlier
+    w = torch.randn(24, 32, generator=gen)
+    amax = x.abs().amax(0)
+    s, alpha, ratio = search_alpha(x, amax, [w], grid=10)
+    best = w8a8_error(x, [w], s)
+    assert alpha in [i / 10 for i in range(11)]
+    for a in (0.0, 0.3, 0.5, 0.8, 1.0):
+        assert best <= w8a8_error(x, [w], smoothing_scales(amax, [w], a)) * (1 + 1e-6)
+    assert ratio < 1.0 and best == pytest.approx(ratio * w8a8_error(x, [w], torch.ones(32)))
 
 
 def test_alpha_is_range_checked():
@@ -74,4 +98,7 @@ def test_alpha_is_range_checked():
 
 def test_run_names_say_a_swept_alpha():
     assert [W8A8Scheme(smooth=False).short_name(), W8A8Scheme().short_name(),
-            W8A8Scheme(alpha=0.75).short_name()] == ["w8a8", "w8a8-sq", "w8a8-sq-a0.75"]
+            W8A8Scheme(alpha=0.75).short_name(), W8A8Scheme(grid=20).short_name()] == [
+        "w8a8", "w8a8-sq", "w8a8-sq-a0.75", "w8a8-sq-auto"]
+    with pytest.raises(ValueError, match="w8a8 grid -1; valid: >= 0"):
+        W8A8Scheme(grid=-1)

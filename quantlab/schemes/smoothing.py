@@ -13,7 +13,7 @@ grouped-query attention one v channel feeds several of its columns.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, TypeVar
 
 import torch
 from torch import nn
@@ -39,12 +39,15 @@ def plan(model: nn.Module, selected: set[str], who: str) -> list[tuple[nn.Module
     return out
 
 
+T = TypeVar("T")
+
+
 @torch.inference_mode()
 def capture(model: nn.Module, names: list[str], ids: torch.Tensor,
-            reduce: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> dict[str, torch.Tensor]:
+            reduce: Callable[[torch.Tensor, T | None], T]) -> dict[str, T]:
     """Run the calibration batch ``ids`` (one row at a time) and fold each named
     layer's input rows (``[tokens, K]``, fp32) into ``reduce(rows, so_far)``."""
-    acc: dict[str, torch.Tensor | None] = {n: None for n in names}
+    acc: dict[str, T | None] = {n: None for n in names}
 
     def hook(_m, args, _o, name):
         acc[name] = reduce(args[0].detach().reshape(-1, args[0].shape[-1]).float(), acc[name])
@@ -67,3 +70,25 @@ def fold(layer: nn.Module, fold_name: str, how: str, members: tuple[str, ...], s
     for m in members:
         lin = layer.get_submodule(m)
         lin.weight.data = (lin.weight.float() * s).to(lin.weight.dtype)
+
+
+def row_sampler(rows: int, calls: int):
+    """A ``capture`` reducer keeping ``rows / calls`` seeded random rows of each
+    calibration window: ~``rows`` rows, every window alike."""
+    per_call, gen = -(-rows // calls), torch.Generator().manual_seed(0)
+
+    def reduce(x: torch.Tensor, so_far: torch.Tensor | None) -> torch.Tensor:
+        picked = x[torch.randperm(len(x), generator=gen)[:per_call]]
+        return picked if so_far is None else torch.cat([so_far, picked])
+
+    return reduce
+
+
+def search(alphas: Iterable[float], scale: Callable[[float], torch.Tensor],
+           error: Callable[[torch.Tensor], float]) -> tuple[torch.Tensor, float, float]:
+    """``(s, alpha, error ratio vs s = 1)``: of the scales ``scale(alpha)``, the
+    one with the least ``error(s)`` (the quantized layers' output error on
+    calibration rows with their input divided by ``s``); ties keep the first."""
+    tried = [(error(s), a, s) for a in alphas for s in (scale(a),)]
+    err, alpha, s = min(tried, key=lambda t: t[0])
+    return s, alpha, err / max(error(torch.ones_like(s)), 1e-30)

@@ -4,7 +4,10 @@ Activations have outlier channels that per-token int8 cannot represent well;
 SmoothQuant moves that difficulty into the weights with per-input-channel
 scales ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)`` measured on calibration
 data and folded into the previous operation (``schemes.smoothing``), so the
-float function is unchanged. Then every selected layer becomes an
+float function is unchanged. ``alpha`` is one number for the model, or (``grid >
+0``) searched per layer group, like AWQ's, for the least W8A8 output error of
+that group's layers on calibration rows (the "auto alpha" of later SmoothQuant
+implementations). Then every selected layer becomes an
 ``Int8DynLinear``: int8 weights per channel, int8 activations per token,
 ``torch._int_mm`` (a real int8 GEMM on CPU).
 """
@@ -20,7 +23,7 @@ from quantlab import calibration
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers, smoothing
 from quantlab.schemes.base import WeightScheme
-from quantlab.schemes.qlinear import Int8DynLinear
+from quantlab.schemes.qlinear import Int8DynLinear, rtn_int8
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 log = logging.getLogger("quantlab")
@@ -30,6 +33,7 @@ log = logging.getLogger("quantlab")
 class W8A8Scheme(WeightScheme):
     smooth: bool = True  # false: naive W8A8, the reference SmoothQuant is measured against
     alpha: float = 0.5  # migration strength (0: none, 1: all onto the weights)
+    grid: int = 0  # > 0: alpha per layer group, searched in {0, 1/grid, ..., 1}; alpha is then unused
     calibration: str = "wiki"
     n_samples: int = 16
     seq_len: int = 512
@@ -39,11 +43,16 @@ class W8A8Scheme(WeightScheme):
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"w8a8 alpha {self.alpha}; valid: 0..1")
+        if self.grid < 0:
+            raise ValueError(f"w8a8 grid {self.grid}; valid: >= 0 (0: the one alpha)")
 
     def short_name(self) -> str:
-        """``w8a8``, ``w8a8-sq`` (the preset's alpha 0.5), ``w8a8-sq-a0.75`` (any other alpha)."""
+        """``w8a8``, ``w8a8-sq`` (the preset's alpha 0.5), ``w8a8-sq-a0.75`` (any
+        other alpha), ``w8a8-sq-auto`` (alpha searched per group)."""
         if not self.smooth:
             return "w8a8"
+        if self.grid:
+            return "w8a8-sq-auto"
         return "w8a8-sq" if self.alpha == 0.5 else f"w8a8-sq-a{self.alpha:g}"
 
 
@@ -51,6 +60,9 @@ def support(cfg: W8A8Scheme, hw: Hardware) -> Support:
     if hw.device == "cpu":
         return Support("real", "torch._int_mm int8 x int8 GEMM, per-token dynamic activation scales")
     return Support("unsupported", f"W8A8 is wired for the CPU kernel only (not {hw.device})")
+
+
+ROWS = 512  # activation rows kept per group for the alpha search
 
 
 def _amax(rows: torch.Tensor, so_far: torch.Tensor | None) -> torch.Tensor:
@@ -64,6 +76,38 @@ def smoothing_scales(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: 
     return (act_max.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
 
 
+def w8a8_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor) -> float:
+    """``sum ||Q_token(x / s) Q_channel(W s)^T - x W^T||^2`` over the layers
+    sharing input ``x`` ([rows, K], fp32): the error ``Int8DynLinear`` makes."""
+    xq, sx = Int8DynLinear.quantize_tokens(x / s)
+    xd = xq.float() * sx
+    total = 0.0
+    for w in weights:
+        q, sw = rtn_int8(w * s)
+        total += float(((xd @ (q.float() * sw[:, None]).T - x @ w.T) ** 2).sum())
+    return total
+
+
+def search_alpha(x: torch.Tensor, act_max: torch.Tensor, weights: list[torch.Tensor],
+                 grid: int) -> tuple[torch.Tensor, float, float]:
+    """``(s, alpha, error ratio vs naive W8A8)`` with the alpha in ``{0, 1/grid,
+    ..., 1}`` whose SmoothQuant scales give the least ``w8a8_error`` on ``x``."""
+    return smoothing.search([i / grid for i in range(grid + 1)],
+                            lambda a: smoothing_scales(act_max, weights, a),
+                            lambda s: w8a8_error(x, weights, s))
+
+
+def _amax_and_rows(calls: int):
+    """A ``smoothing.capture`` reducer: ``(max |x| per channel over every
+    token, ~ROWS sampled rows)``."""
+    sample = smoothing.row_sampler(ROWS, calls)
+
+    def reduce(rows: torch.Tensor, so_far: tuple[torch.Tensor, torch.Tensor] | None):
+        return _amax(rows, so_far and so_far[0]), sample(rows, so_far and so_far[1])
+
+    return reduce
+
+
 @torch.inference_mode()
 def apply(model: nn.Module, cfg: W8A8Scheme, ctx: ApplyContext) -> Applied:
     dtype = getattr(torch, cfg.compute_dtype)
@@ -73,21 +117,53 @@ def apply(model: nn.Module, cfg: W8A8Scheme, ctx: ApplyContext) -> Applied:
     if cfg.smooth:
         ids, tags = calibration.batch_or_builtin(cfg.calibration, "smoothquant", ctx, cfg.n_samples, cfg.seq_len)
         groups = smoothing.plan(model, set(selected), "SmoothQuant")
-        act_max = smoothing.capture(model, [first for *_, first in groups], ids, _amax)
+        names = [first for *_, first in groups]
+        if cfg.grid:
+            seen = smoothing.capture(model, names, ids, _amax_and_rows(len(ids)))
+        else:
+            seen = {n: (m, None) for n, m in smoothing.capture(model, names, ids, _amax).items()}
+        alphas, ratios = [], []
         for layer, fold_name, how, members, first in groups:
             weights = [layer.get_submodule(m).weight.float() for m in members]
-            smoothing.fold(layer, fold_name, how, members, smoothing_scales(act_max[first], weights, cfg.alpha))
+            act_max, rows = seen[first]
+            if cfg.grid:
+                s, alpha, ratio = search_alpha(rows, act_max, weights, cfg.grid)
+                alphas.append(alpha)
+                ratios.append(ratio)
+            else:
+                s = smoothing_scales(act_max, weights, cfg.alpha)
+            smoothing.fold(layer, fold_name, how, members, s)
         tags["smoothquant.groups"] = str(len(groups))
-        log.info("smoothquant: %d layer groups smoothed (alpha %.2f)", len(groups), cfg.alpha)
+        if ratios:
+            tags.update({"smoothquant.alpha_mean": f"{sum(alphas) / len(alphas):.2f}",
+                         "smoothquant.error_vs_naive": f"{sum(ratios) / len(ratios):.3f}"})
+            log.info("smoothquant: %d layer groups smoothed, alpha searched per group (mean %.2f), "
+                     "calibration output error %.3f of naive W8A8's", len(groups), sum(alphas) / len(alphas),
+                     sum(ratios) / len(ratios))
+        else:
+            log.info("smoothquant: %d layer groups smoothed (alpha %.2f)", len(groups), cfg.alpha)
     for name, lin in selected.items():
         layers.replace(model, name, Int8DynLinear.from_linear(lin, dtype))
     layers.cast_parameters(model, dtype)
     return Applied(backend="torch._int_mm (int8 x int8)", emulated=False, tags=tags)
 
 
-def no_format(cfg: W8A8Scheme) -> Mapping:
-    return Mapping(reason=f"{cfg.short_name()} does not export yet (compressed-tensors int-quantized with "
-                          "dynamic per-token int8 input activations would be its format)")
+def checkpoint(cfg: W8A8Scheme) -> Mapping:
+    """compressed-tensors ``int-quantized``: int8 weights per output channel
+    (the smoothing already folded into the norms and ``up_proj``, so the
+    checkpoint is a plain Llama with W8A8 layers) and dynamic per-token int8
+    input activations (what transformers applies on reload; vLLM's W8A8 INT8
+    path reads this format)."""
+    return Mapping({"format": "int-quantized",
+                    "args": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                             "scale_dtype": cfg.compute_dtype},
+                    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                          "dynamic": True}})
 
 
-register_weights("w8a8", W8A8Scheme, support, apply, checkpoint=no_format, gguf=no_format)
+def no_gguf(cfg: W8A8Scheme) -> Mapping:
+    return Mapping(reason=f"{cfg.short_name()}: GGUF has no int8-activation weight type (llama.cpp picks "
+                          "its own activation format per kernel)")
+
+
+register_weights("w8a8", W8A8Scheme, support, apply, checkpoint=checkpoint, gguf=no_gguf)
