@@ -40,7 +40,7 @@ from quantlab.digest import sha256_file
 from quantlab.errors import UserError
 from quantlab.probes import corpus
 from quantlab.schemes import layers, registry
-from quantlab.schemes.qlinear import FP8Linear, Int4Linear, Int8Linear
+from quantlab.schemes.qlinear import FP8Linear, Int4Linear, Int8DynLinear, Int8Linear
 
 log = logging.getLogger("quantlab")
 
@@ -95,16 +95,32 @@ def rebuild(cfg: RunConfig):
     return model.eval(), tok
 
 
+QUANTIZED = (Int4Linear, Int8Linear, Int8DynLinear, FP8Linear)  # the modules a checkpoint stores quantized
+
+
 def _ct_config(model, spec: dict):
     """compressed-tensors QuantizationConfig (the scheme's ``checkpoint`` mapping)
-    over the quantized modules of ``model``."""
+    over the quantized modules of ``model``. A ``mixed-precision`` mapping
+    (``candidates``, ``layers``, ``default``) gives one config group per
+    candidate, each with its own format; every other mapping one group."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    targets = sorted({n for n, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear, FP8Linear))})
-    acts = spec.get("input_activations")
-    scheme = QuantizationScheme(targets=targets, weights=QuantizationArgs(**spec["args"]),
-                                input_activations=QuantizationArgs(**acts) if acts else None)
-    return QuantizationConfig(config_groups={"group_0": scheme}, format=spec["format"], quantization_status="frozen")
+    def scheme(one: dict, targets: list[str], own_format: bool):
+        acts = one.get("input_activations")
+        return QuantizationScheme(targets=targets, weights=QuantizationArgs(**one["args"]),
+                                  input_activations=QuantizationArgs(**acts) if acts else None,
+                                  format=one["format"] if own_format else None)
+
+    names = sorted({n for n, m in model.named_modules() if isinstance(m, QUANTIZED)})
+    if "candidates" not in spec:
+        return QuantizationConfig(config_groups={"group_0": scheme(spec, names, False)}, format=spec["format"],
+                                  quantization_status="frozen")
+    by_candidate: dict[str, list[str]] = {}
+    for n in names:
+        by_candidate.setdefault(spec["layers"].get(n, spec["default"]), []).append(n)
+    groups = {f"group_{i}": scheme(spec["candidates"][c], targets, True)
+              for i, (c, targets) in enumerate(sorted(by_candidate.items()))}
+    return QuantizationConfig(config_groups=groups, format=spec["format"], quantization_status="frozen")
 
 
 def exportable_tags(w) -> dict[str, str]:
@@ -153,7 +169,7 @@ def dense_twins(model, cfg: RunConfig, dtype: torch.dtype):
     state = {k: v.float() for k, v in model.state_dict().items() if k in dense.state_dict()}
     dense.load_state_dict(state, strict=False)  # non-quantized parameters as the point holds them
     for name, mod in model.named_modules():
-        if isinstance(mod, (Int4Linear, Int8Linear, FP8Linear)):
+        if isinstance(mod, QUANTIZED):
             dense.get_submodule(name).weight.data = dequantized(mod).contiguous()
     for m in (float_model, dense):  # as transformers reloads the checkpoint: parameters in dtype (RoPE's
         layers.cast_parameters(m, dtype)  # inv_freq stays fp32) and config.dtype too (masks, kernels follow it)
@@ -182,7 +198,7 @@ def write_checkpoint(model, tok, cfg: RunConfig, dest: Path) -> str:
                           strict=False)  # non-quantized parameters exactly as the point holds them
     apply_quantization_config(dense, qcfg)
     for name, mod in model.named_modules():
-        if not isinstance(mod, (Int4Linear, Int8Linear, FP8Linear)):
+        if not isinstance(mod, QUANTIZED):
             continue
         target = dense.get_submodule(name)
         if isinstance(mod, FP8Linear):
@@ -194,10 +210,11 @@ def write_checkpoint(model, tok, cfg: RunConfig, dest: Path) -> str:
         target.weight_scale.data = scale.to(target.weight_scale.dtype)
         if zp is not None and hasattr(target, "weight_zero_point"):
             target.weight_zero_point.data = (zp - 8).to(target.weight_zero_point.dtype)  # ct int4: -8..7
+    mixed = "candidates" in spec  # each module's format is its group's, not one for the model
     with _one_line_format_warnings(fmt):
-        compressor = ModelCompressor.from_pretrained_model(dense, quantization_format=fmt)
+        compressor = ModelCompressor.from_pretrained_model(dense, quantization_format=None if mixed else fmt)
         compressor.compress_model(dense)
-    scale_dtype = getattr(torch, spec["args"].get("scale_dtype", "float32"))  # the format's (exact: see mapping)
+    scale_dtype = getattr(torch, (spec.get("args") or spec).get("scale_dtype", "float32"))  # exact: see mapping
     for name, p in dense.named_parameters():
         if name.endswith("weight_scale"):
             p.data = p.data.to(scale_dtype)

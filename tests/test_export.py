@@ -24,18 +24,33 @@ def store(tmp_path_factory):
     d = tmp_path_factory.mktemp("exp")
     uri = f"sqlite:///{d}/m.db"
     ids = {}
-    for scheme in ("int8", "int4-g32", "int4-g32-sym", "fp8-e4m3", "fp8-w8a8", "bf16", "awq-g32"):
-        cfg = compose_cfg(["model=tiny", f"scheme/weights={scheme}", f"tracking.uri={uri}",
+    recipe = d / "recipe.yaml"
+    recipe.write_text(MIXED_RECIPE)
+    for scheme in ("int8", "int4-g32", "int4-g32-sym", "fp8-e4m3", "fp8-w8a8", "bf16", "awq-g32", "w8a8-sq",
+                   f"mixed scheme.weights.recipe={recipe}"):
+        cfg = compose_cfg(["model=tiny", *f"scheme/weights={scheme}".split(), f"tracking.uri={uri}",
                            f"tracking.artifact_root={d}/a", "probe.latency.repeats=1", "probe.latency.stages=false",
                            "probe.cache.enabled=false"])
-        ids[scheme] = run_point(cfg).run_id
+        ids[scheme.split()[0]] = run_point(cfg).run_id
     return MlflowClient(uri), ids, d
+
+
+# int4-g64 by default; one layer int8, one int4-g32, one kept in bf16
+MIXED_RECIPE = """name: t
+default: int4-g64
+layers:
+  model.layers.0.mlp.down_proj: int8
+  model.layers.0.self_attn.q_proj: int4-g32
+  model.layers.1.mlp.up_proj: bf16
+"""
 
 
 @pytest.mark.parametrize("scheme,fmt", [("int8", "compressed-tensors/int-quantized"),
                                         ("int4-g32", "compressed-tensors/pack-quantized"),
                                         ("int4-g32-sym", "compressed-tensors/pack-quantized"),
                                         ("awq-g32", "compressed-tensors/pack-quantized"),
+                                        ("w8a8-sq", "compressed-tensors/int-quantized"),
+                                        ("mixed", "compressed-tensors/mixed-precision"),
                                         ("fp8-e4m3", "compressed-tensors/float-quantized"),
                                         ("fp8-w8a8", "compressed-tensors/float-quantized"),
                                         ("bf16", "hf-bfloat16")])
@@ -58,10 +73,33 @@ def test_export_reloads_with_same_greedy_text(store, scheme, fmt, tmp_path):
     if fmt.startswith("compressed"):
         group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
         acts = group["input_activations"]
-        if scheme == "fp8-w8a8":  # its activation quantization travels with it
-            assert (acts["type"], acts["num_bits"], acts["strategy"], acts["dynamic"]) == ("float", 8, "token", True)
+        if scheme in ("fp8-w8a8", "w8a8-sq"):  # its activation quantization travels with it
+            kind = "float" if scheme == "fp8-w8a8" else "int"
+            assert (acts["type"], acts["num_bits"], acts["strategy"], acts["dynamic"]) == (kind, 8, "token", True)
         else:
             assert acts is None
+
+
+def test_mixed_export_has_a_group_per_candidate(store, tmp_path):
+    """Each candidate's layers, and only those, in a config group of that
+    candidate's format; the bf16 layer stays dense; the reload computes the
+    point's own function (KL to the dense twin < 1e-4)."""
+    client, ids, _ = store
+    out = tmp_path / "mixed"
+    manifest = checkpoint.export_run(client, ids["mixed"], out)
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["format"] == "mixed-precision"
+    groups = {(g["format"], g["weights"]["num_bits"], g["weights"].get("block_structure") and
+               g["weights"]["block_structure"][1]): set(g["targets"]) for g in qcfg["config_groups"].values()}
+    assert groups[("int-quantized", 8, None)] == {"model.layers.0.mlp.down_proj"}
+    assert groups[("pack-quantized", 4, 32)] == {"model.layers.0.self_attn.q_proj"}
+    g64 = groups[("pack-quantized", 4, 64)]
+    assert len(groups) == 3 and "model.layers.1.mlp.down_proj" in g64
+    assert not any("model.layers.1.mlp.up_proj" in t for t in groups.values())
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    assert tensors["model.layers.1.mlp.up_proj.weight"].is_floating_point()
+    assert manifest["round_trip"]["passed"] and manifest["round_trip"]["kl_mean"] < 1e-4
 
 
 def test_export_holds_the_same_integers(store, tmp_path):

@@ -13,8 +13,10 @@ GPTQ, so AWQ points run, time and export like them.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -68,34 +70,51 @@ def rtn_dequantized(w: torch.Tensor, group_size: int, symmetric: bool) -> torch.
     return g.reshape(n, k)
 
 
-def search_scale(x: torch.Tensor, weights: list[torch.Tensor], group_size: int, symmetric: bool,
+Quantizer = Callable[[torch.Tensor], torch.Tensor]  # a weight -> the weight its kernel reads back
+
+
+def search_scale(x: torch.Tensor, weights: list[torch.Tensor], quantizers: list[Quantizer],
                  grid: int) -> tuple[torch.Tensor, float, float]:
-    """``(s, alpha, error ratio vs RTN)``: the per-input-channel scale
+    """``(s, alpha, error ratio vs no scaling)``: the per-input-channel scale
     ``mean|x|^alpha`` (normalised) that minimises ``sum ||x (Q(W s)/s - W)^T||^2``
-    over the layers sharing input ``x`` ([rows, K], fp32)."""
+    over the layers sharing input ``x`` ([rows, K], fp32), each with its own
+    quantizer ``Q``; alpha 0 is no scaling."""
     mean = x.abs().mean(0).clamp_min(1e-8)
-    tried = []  # (error, alpha, s); alpha = 0 first: plain RTN
-    for i in range(grid + 1):
-        alpha = i / max(grid, 1)
+
+    def scale(alpha: float) -> torch.Tensor:
         s = mean.pow(alpha)
-        s = s / (s.max() * s.min()).sqrt()
-        err = sum(float(((x @ (rtn_dequantized(w * s, group_size, symmetric) / s - w).T) ** 2).sum())
-                  for w in weights)
-        tried.append((err, alpha, s))
-    err, alpha, s = min(tried, key=lambda t: t[0])
-    return s, alpha, err / max(tried[0][0], 1e-30)
+        return s / (s.max() * s.min()).sqrt()
+
+    def error(s: torch.Tensor) -> float:
+        return sum(float(((x @ (q(w * s) / s - w).T) ** 2).sum()) for w, q in zip(weights, quantizers))
+
+    return smoothing.search([i / max(grid, 1) for i in range(grid + 1)], scale, error)
 
 
-def _row_sampler(calls: int):
-    """A ``smoothing.capture`` reducer keeping ``ROWS / calls`` seeded random
-    rows of each calibration window: ~``ROWS`` rows, every window alike."""
-    per_call, gen = -(-ROWS // calls), torch.Generator().manual_seed(0)
-
-    def reduce(rows: torch.Tensor, so_far: torch.Tensor | None) -> torch.Tensor:
-        picked = rows[torch.randperm(len(rows), generator=gen)[:per_call]]
-        return picked if so_far is None else torch.cat([so_far, picked])
-
-    return reduce
+@torch.inference_mode()
+def scale_model(model: nn.Module, quantizers: dict[str, Quantizer], ids: torch.Tensor,
+                grid: int) -> dict[str, str]:
+    """Search and fold AWQ scales (in place, fp32 model) for every layer group
+    whose members all have a quantizer in ``quantizers`` (layer name ->
+    quantizer); returns the ``awq.*`` tags (groups, mean alpha, output error
+    vs no scaling on the calibration rows)."""
+    groups = smoothing.plan(model, set(quantizers), "AWQ")
+    inputs = smoothing.capture(model, [first for *_, first in groups], ids, smoothing.row_sampler(ROWS, len(ids)))
+    prefix = {id(m): n for n, m in model.named_modules()}
+    ratios, alphas = [], []
+    for layer, fold_name, how, members, first in groups:
+        weights = [layer.get_submodule(m).weight.float() for m in members]
+        qs = [quantizers[f"{prefix[id(layer)]}.{m}"] for m in members]
+        s, alpha, ratio = search_scale(inputs[first], weights, qs, grid)
+        smoothing.fold(layer, fold_name, how, members, s)
+        ratios.append(ratio)
+        alphas.append(alpha)
+    if not ratios:
+        return {}
+    log.info("awq: %d groups scaled, mean alpha %.2f, calibration output error %.3f of unscaled",
+             len(ratios), sum(alphas) / len(alphas), sum(ratios) / len(ratios))
+    return {"awq.groups": str(len(ratios)), "awq.alpha_mean": f"{sum(alphas) / len(alphas):.2f}",
+            "awq.error_vs_rtn": f"{sum(ratios) / len(ratios):.3f}"}
 
 
 @torch.inference_mode()
@@ -105,23 +124,11 @@ def apply(model: nn.Module, cfg: AWQScheme, ctx: ApplyContext) -> Applied:
     selected = dict(layers.select(model, cfg.skip))
     layers.check_group_size(list(selected.items()), cfg.group_size, cfg.short_name())
     ids, tags = calibration.batch_or_builtin(cfg.calibration, "awq", ctx, cfg.n_samples, cfg.seq_len)
-    groups = smoothing.plan(model, set(selected), "AWQ")
-    inputs = smoothing.capture(model, [first for *_, first in groups], ids, _row_sampler(len(ids)))
-    ratios, alphas = [], []
-    for layer, fold_name, how, members, first in groups:
-        weights = [layer.get_submodule(m).weight.float() for m in members]
-        s, alpha, ratio = search_scale(inputs[first], weights, cfg.group_size, cfg.symmetric, cfg.grid)
-        smoothing.fold(layer, fold_name, how, members, s)
-        ratios.append(ratio)
-        alphas.append(alpha)
+    rtn = functools.partial(rtn_dequantized, group_size=cfg.group_size, symmetric=cfg.symmetric)
+    tags.update(scale_model(model, {n: rtn for n in selected}, ids, cfg.grid))
     for name, lin in selected.items():
         layers.replace(model, name, Int4Linear.from_linear(lin, cfg.group_size, cfg.symmetric, dtype))
     layers.cast_parameters(model, dtype)
-    if ratios:
-        tags.update({"awq.groups": str(len(ratios)), "awq.alpha_mean": f"{sum(alphas) / len(alphas):.2f}",
-                     "awq.error_vs_rtn": f"{sum(ratios) / len(ratios):.3f}"})
-        log.info("awq: %d groups scaled, mean alpha %.2f, calibration output error %.3f of RTN's",
-                 len(ratios), sum(alphas) / len(alphas), sum(ratios) / len(ratios))
     return Applied(backend="quantlab.awq+aten._weight_int4pack_mm_for_cpu", emulated=False, tags=tags)
 
 

@@ -11,12 +11,16 @@ candidate per layer; layers it does not name take ``default``:
 
 Candidates: ``bf16`` (kept as it is, in the compute dtype), ``int8`` (per
 channel) and ``int4-g<32|64|128|256>[-sym]``, each on the same real kernel as
-its uniform scheme. The recipe's assignment is copied into the config when the
+its uniform scheme. With ``awq: true``, AWQ's per-channel scales are searched
+first (``schemes.awq.scale_model``), each layer group against its own members'
+candidates, and folded into the model before the layers are quantized. The
+recipe's assignment is copied into the config when the
 point is composed, so the run's ``config.yaml`` and its point hash hold the
 recipe itself, not a path to a file that may change.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +28,13 @@ from pathlib import Path
 import torch
 import yaml
 
+from quantlab import calibration
 from quantlab.errors import UserError
 from quantlab.hardware import Hardware
-from quantlab.schemes import layers
+from quantlab.schemes import awq, layers
 from quantlab.schemes.base import WeightScheme
-from quantlab.schemes.qlinear import Int4Linear, Int8Linear
+from quantlab.schemes.awq import rtn_dequantized
+from quantlab.schemes.qlinear import Int4Linear, Int8Linear, rtn_int8
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 _INT4 = re.compile(r"^int4-g(?P<g>32|64|128|256)(?P<sym>-sym)?$")
@@ -37,6 +43,21 @@ KEEP = "bf16"
 
 def valid_candidate(name: str) -> bool:
     return name in (KEEP, "int8") or bool(_INT4.match(name))
+
+
+def _int8_readback(w: torch.Tensor) -> torch.Tensor:
+    q, scale = rtn_int8(w)
+    return q.float() * scale[:, None]
+
+
+def readback(candidate: str):
+    """The weight ``candidate``'s kernel reads back for a weight (``bf16``: itself)."""
+    if candidate == KEEP:
+        return lambda w: w
+    if candidate == "int8":
+        return _int8_readback
+    m = _INT4.match(candidate)
+    return functools.partial(rtn_dequantized, group_size=int(m["g"]), symmetric=bool(m["sym"]))
 
 
 def quantize_linear(lin: torch.nn.Linear, candidate: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -61,6 +82,10 @@ class MixedScheme(WeightScheme):
     name: str = "custom"
     default: str = "int4-g64"
     layers: dict[str, str] = field(default_factory=dict)
+    awq: bool = False  # search and fold AWQ scales for the recipe's candidates first
+    calibration: str = "wiki"  # for awq
+    n_samples: int = 16
+    seq_len: int = 512
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
 
@@ -79,7 +104,7 @@ class MixedScheme(WeightScheme):
             raise ValueError(f"mixed recipe candidates {bad}; valid: bf16, int8, int4-g32/g64/g128/g256[-sym]")
 
     def short_name(self) -> str:
-        return f"mixed-{self.name}"
+        return f"mixed-{self.name}{'-awq' if self.awq else ''}"
 
 
 def support(cfg: MixedScheme, hw: Hardware) -> Support:
@@ -95,19 +120,44 @@ def apply(model: torch.nn.Module, cfg: MixedScheme, ctx: ApplyContext) -> Applie
     if unknown:
         raise UserError(f"mixed-{cfg.name}: the recipe names {len(unknown)} layers this model does not have "
                         f"(first: {unknown[0]}): a recipe is made for one model")
+    tags: dict[str, str] = {}
+    if cfg.awq:
+        model.float()
+        ids, tags = calibration.batch_or_builtin(cfg.calibration, "awq", ctx, cfg.n_samples, cfg.seq_len)
+        tags.update(awq.scale_model(model, {n: readback(cfg.layers.get(n, cfg.default)) for n, _ in linears},
+                                    ids, awq.AWQScheme.grid))
     counts: dict[str, int] = {}
     for name, lin in linears:
         choice = cfg.layers.get(name, cfg.default)
         layers.replace(model, name, quantize_linear(lin, choice, dtype))
         counts[choice] = counts.get(choice, 0) + 1
     layers.cast_parameters(model, dtype)
-    tags = {f"mixed.layers.{c}": str(n) for c, n in sorted(counts.items())}
-    return Applied(backend="mixed: aten int8/int4 CPU kernels per layer", emulated=False, tags=tags)
+    tags.update({f"mixed.layers.{c}": str(n) for c, n in sorted(counts.items())})
+    return Applied(backend=f"mixed{'+awq' if cfg.awq else ''}: aten int8/int4 CPU kernels per layer",
+                   emulated=False, tags=tags)
 
 
-def no_checkpoint(cfg: MixedScheme) -> Mapping:
-    return Mapping(reason=f"{cfg.short_name()}: mixed recipes do not export yet (one compressed-tensors "
-                          "config group per candidate would)")
+def checkpoint(cfg: MixedScheme) -> Mapping:
+    """compressed-tensors ``mixed-precision``: one config group per candidate,
+    each in its uniform scheme's format (``int-quantized`` int8,
+    ``pack-quantized`` int4); ``bf16`` layers stay dense."""
+    from quantlab.schemes import int4, int8
+
+    candidates = {}
+    for c in sorted({cfg.default, *cfg.layers.values()} - {KEEP}):
+        if c == "int8":
+            m = int8.checkpoint(int8.Int8Scheme(compute_dtype=cfg.compute_dtype))
+        else:
+            g = _INT4.match(c)
+            m = int4.checkpoint(int4.Int4Scheme(group_size=int(g["g"]), symmetric=bool(g["sym"]),
+                                                compute_dtype=cfg.compute_dtype))
+        candidates[c] = m.spec
+    return Mapping({"format": "mixed-precision", "candidates": candidates, "layers": dict(cfg.layers),
+                    "default": cfg.default, "scale_dtype": cfg.compute_dtype})
 
 
-register_weights("mixed", MixedScheme, support, apply, checkpoint=no_checkpoint, gguf=no_checkpoint)
+def no_gguf(cfg: MixedScheme) -> Mapping:
+    return Mapping(reason=f"{cfg.short_name()}: mixed recipes do not export to GGUF yet")
+
+
+register_weights("mixed", MixedScheme, support, apply, checkpoint=checkpoint, gguf=no_gguf)

@@ -214,3 +214,7 @@ class Int8DynLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight_t.T.float() * self.scale[:, None]
+
+    def int_weights(self) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """``(q [N, K] in -127..127, scale [N, 1], None)``: symmetric, ``w = q * scale``."""
+        return self.qweight_t.T.float(), self.scale.float()[:, None], None
