@@ -4,7 +4,8 @@
 
 1. **Sensitivity**: for every quantizable Linear layer and every candidate, the
    mean KL divergence of the model with *only that layer* quantized from the
-   unquantized model (both in fp32, see :func:`measure`) over the fidelity text, and
+   unquantized model (both in fp32, see :func:`measure`) over the fidelity text
+   (``--proxy fisher``: predicted from the diagonal Fisher, :func:`fisher`), and
    the layer's bits per weight as the candidate stores it (packed weights,
    scales and zero points, measured on the built module). ``bf16`` (the layer
    kept) is always a candidate: KL 0, 16 bits.
@@ -102,6 +103,20 @@ def _dense(q: torch.nn.Module, lin: torch.nn.Linear) -> torch.nn.Linear:
     return dense
 
 
+def _new_table(key: dict, candidates: list[str]) -> Table:
+    from quantlab.schemes.mixed import KEEP
+
+    return Table(key=key, candidates=[KEEP, *[c for c in candidates if c != KEEP]], numel={}, kl={}, bits={})
+
+
+def _add_layer(table: Table, name: str, lin: torch.nn.Linear, dtype: torch.dtype) -> None:
+    from quantlab.schemes.mixed import KEEP
+
+    table.numel[name] = lin.weight.numel()
+    table.kl[name] = {KEEP: 0.0}
+    table.bits[name] = {KEEP: float(torch.finfo(dtype).bits)}  # kept in the compute dtype
+
+
 @torch.inference_mode()
 def measure(model: torch.nn.Module, ids: torch.Tensor, candidates: list[str], dtype: torch.dtype,
             skip: list[str], key: dict) -> Table:
@@ -112,17 +127,15 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, candidates: list[str], dt
     change, on SmolLM2), which would swamp the quantization error and not add
     up across layers."""
     from quantlab.schemes import layers
-    from quantlab.schemes.mixed import KEEP, quantize_linear
+    from quantlab.schemes.mixed import quantize_linear
 
     model.float().eval()
     ref = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].double(), -1)
     linears = layers.select(model, skip)
-    table = Table(key=key, candidates=[KEEP, *[c for c in candidates if c != KEEP]], numel={}, kl={}, bits={})
+    table = _new_table(key, candidates)
     start = time.perf_counter()
     for i, (name, lin) in enumerate(linears):
-        table.numel[name] = lin.weight.numel()
-        table.kl[name] = {KEEP: 0.0}
-        table.bits[name] = {KEEP: float(torch.finfo(dtype).bits)}  # kept in the compute dtype
+        _add_layer(table, name, lin, dtype)
         for cand in table.candidates[1:]:
             q = quantize_linear(lin, cand, dtype)
             layers.replace(model, name, _dense(q, lin))
@@ -134,7 +147,54 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, candidates: list[str], dt
     return table
 
 
+def fisher(model: torch.nn.Module, ids: torch.Tensor, candidates: list[str], dtype: torch.dtype,
+           skip: list[str], key: dict, chunk: int = 32, seed: int = 0) -> Table:
+    """The same table with each KL *predicted* from the diagonal Fisher
+    information instead of measured: ``0.5 * sum F * (Q(W) - W)^2`` per layer
+    and candidate, the second-order term of the KL of a small weight change.
+    ``F`` is the per-token Fisher of the model's own predictive distribution:
+    labels sampled from the fp32 model (seeded), squared gradients of the
+    log-likelihood summed over chunks of ``chunk`` positions and divided by the
+    token count (under sampled labels, gradients of different positions are
+    uncorrelated in expectation, so the chunk sums estimate it without bias).
+    ``len(ids) / chunk`` backward passes in all, then no forward per candidate:
+    far cheaper than :func:`measure`, and blind to what the quadratic term
+    misses (large changes, interactions)."""
+    from quantlab.schemes import layers
+    from quantlab.schemes.mixed import quantize_linear
+
+    model.float().eval()
+    linears = layers.select(model, skip)
+    squares = {name: torch.zeros_like(lin.weight, dtype=torch.float32) for name, lin in linears}
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=ids, use_cache=False).logits[0, :-1].double(), -1)
+    labels = torch.multinomial(probs.float(), 1, generator=torch.Generator().manual_seed(seed))[:, 0]
+    positions = labels.numel()
+    start = time.perf_counter()
+    for lo in range(0, positions, chunk):
+        model.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, :-1].float(), -1)
+            logp[lo:lo + chunk].gather(1, labels[lo:lo + chunk, None]).sum().backward()
+        for name, lin in linears:
+            squares[name] += lin.weight.grad.float() ** 2
+    model.zero_grad(set_to_none=True)
+    log.info("sensitivity: Fisher from %d positions in %d backward passes (%.0f s)", positions,
+             -(-positions // chunk), time.perf_counter() - start)
+    table = _new_table(key, candidates)
+    with torch.no_grad():
+        for name, lin in linears:
+            _add_layer(table, name, lin, dtype)
+            f = squares[name] / positions
+            for cand in table.candidates[1:]:
+                q = quantize_linear(lin, cand, dtype)
+                table.kl[name][cand] = float(0.5 * (f * (q.dequantize().float() - lin.weight.float()) ** 2).sum())
+                table.bits[name][cand] = 8.0 * _module_bytes(q) / lin.weight.numel()
+    return table
+
+
 UNITS = {"bits": "bits/weight", "ms": "ms/token in Linear layers"}
+PROXIES = {"kl": "fp32, dequantized layer", "fisher": "diagonal Fisher, sampled labels"}  # the table's key
 
 
 def solve(table: Table, budget: float, kind: str = "bits") -> dict[str, str]:
@@ -213,7 +273,8 @@ def time_layers(model: torch.nn.Module, table: Table, dtype: torch.dtype, repeat
 
 def recipe(table: Table, choice: dict[str, str], budget: float, kind: str = "bits") -> dict:
     """The recipe YAML content: the most common candidate as ``default``, the
-    rest by layer; named ``<budget>b`` or ``<budget>ms``."""
+    rest by layer; named ``<budget>b`` or ``<budget>ms``, ``-fisher`` added
+    where the table is the Fisher prediction."""
     counts: dict[str, int] = {}
     for c in choice.values():
         counts[c] = counts.get(c, 0) + 1
@@ -223,7 +284,8 @@ def recipe(table: Table, choice: dict[str, str], budget: float, kind: str = "bit
     if table.ms:
         predicted["linear_ms_per_token"] = round(table.linear_ms(choice), 4)
         predicted["timed_on"] = table.timed_on
-    return {"name": f"{budget:g}{'b' if kind == 'bits' else 'ms'}", "default": default,
+    proxy = "-fisher" if table.key.get("reference") == PROXIES["fisher"] else ""
+    return {"name": f"{budget:g}{'b' if kind == 'bits' else 'ms'}{proxy}", "default": default,
             "layers": {n: c for n, c in choice.items() if c != default}, "predicted": predicted,
             "source": table.key}
 
@@ -272,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="5.0", help="comma-separated budgets, in --budget-kind units")
     ap.add_argument("--budget-kind", default="bits", choices=sorted(UNITS),
                     help="bits: bits per Linear weight; ms: ms per decoded token in the Linear layers (timed here)")
+    ap.add_argument("--proxy", default="kl", choices=sorted(PROXIES),
+                    help="kl: measured per layer and candidate (one forward each); fisher: predicted from the "
+                         "diagonal Fisher (a few backward passes; default --out recipes/<model>/fisher)")
     ap.add_argument("--corpus", default="auto", help="fidelity text: auto (WikiText-2 when present), builtin, ...")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--compute-dtype", default="bfloat16")
@@ -290,18 +355,18 @@ def main(argv: list[str] | None = None) -> int:
         budgets = [float(b) for b in args.budgets.split(",")]
         if any(b <= 0 for b in budgets) or args.tokens < 2:
             raise UserError("budgets must be > 0 and --tokens >= 2")
-        table = run(args.model, candidates, args.corpus, args.tokens, args.compute_dtype,
-                    Path(args.out or f"recipes/{args.model}"), args.data_dir, args.cache_dir, budgets,
-                    args.budget_kind)
+        out = Path(args.out or f"recipes/{args.model}{'/fisher' if args.proxy == 'fisher' else ''}")
+        table = run(args.model, candidates, args.corpus, args.tokens, args.compute_dtype, out, args.data_dir,
+                    args.cache_dir, budgets, args.budget_kind, args.proxy)
     except (UserError, ValueError) as e:
         print(f"quantlab.sensitivity: {e}", file=sys.stderr)
         return 2
-    log.info("sensitivity: %d layers x %d candidates in %s", len(table.layers), len(table.candidates), args.out or f"recipes/{args.model}")
+    log.info("sensitivity: %d layers x %d candidates in %s", len(table.layers), len(table.candidates), out)
     return 0
 
 
 def run(model_name: str, candidates: list[str], corpus_name: str, tokens: int, compute_dtype: str, out: Path,
-        data_dir: str | None, cache_dir: str, budgets: list[float], kind: str = "bits") -> Table:
+        data_dir: str | None, cache_dir: str, budgets: list[float], kind: str = "bits", proxy: str = "kl") -> Table:
     """Measure (or reuse) the table, time its layers where a latency budget
     needs them (the times are this machine's: kept in the table, with the CPU
     they ran on), draw it, write a recipe per budget."""
@@ -312,7 +377,7 @@ def run(model_name: str, candidates: list[str], corpus_name: str, tokens: int, c
     cfg = _model_config(model_name)
     corpus_used = corpus.resolve(corpus_name, data_dir)
     key = {"model": model_name, "candidates": candidates, "corpus": corpus_used, "tokens": tokens,
-           "compute_dtype": compute_dtype, "skip": DEFAULT_SKIP, "reference": "fp32, dequantized layer"}
+           "compute_dtype": compute_dtype, "skip": DEFAULT_SKIP, "reference": PROXIES[proxy]}
     out.mkdir(parents=True, exist_ok=True)
     cached = out / "sensitivity.json"
     table = None
@@ -326,7 +391,8 @@ def run(model_name: str, candidates: list[str], corpus_name: str, tokens: int, c
         model, tok = models.load(cfg, cache_dir)
         ids = corpus.token_ids(tok, corpus_used, tokens, data_dir)
         log.info("sensitivity: %s, %d tokens of %s, candidates %s", model_name, tokens, corpus_used, candidates)
-        table = measure(model, ids, candidates, getattr(torch, compute_dtype), list(DEFAULT_SKIP), key)
+        build = fisher if proxy == "fisher" else measure
+        table = build(model, ids, candidates, getattr(torch, compute_dtype), list(DEFAULT_SKIP), key)
         cached.write_text(json.dumps(asdict(table), indent=1))
     if kind == "ms" and not table.ms:
         from quantlab import hardware
@@ -340,7 +406,7 @@ def run(model_name: str, candidates: list[str], corpus_name: str, tokens: int, c
     heatmap(table, out / "sensitivity.png")
     for b in budgets:
         r = recipe(table, solve(table, b, kind), b, kind)
-        path = out / f"{r['name']}.yaml"
+        path = out / f"{r['name'].removesuffix('-fisher')}.yaml"
         path.write_text(yaml.safe_dump(r, sort_keys=False))
         log.info("recipe %s: %.3f bits/Linear weight%s, predicted KL sum %.3g, %s", path,
                  r["predicted"]["bits_per_linear_weight"],

@@ -57,6 +57,42 @@ def test_budget_below_the_cheapest_recipe_is_one_clear_error():
         sensitivity.solve(table, 4.0)
 
 
+def test_fisher_predicts_the_measured_kl_on_the_tiny_model(tmp_path):
+    """The diagonal-Fisher table ranks layer x candidate cells as the measured
+    KL does (Spearman > 0.9) at the same scale (summed int4 KL within 1.4x), with
+    the same bits, and leaves the model as it was."""
+    cfg = compose_cfg(["model=tiny"]).model
+    model, tok = models.load(cfg, str(tmp_path))
+    ids = corpus.token_ids(tok, "builtin", 128)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cands = ["int4-g32", "int8"]
+    predicted = sensitivity.fisher(model, ids, cands, torch.bfloat16, ["lm_head"], key={}, chunk=16)
+    measured = sensitivity.measure(model, ids, cands, torch.bfloat16, ["lm_head"], key={})
+    assert predicted.bits == measured.bits and predicted.numel == measured.numel
+    cells = [(n, c) for n in measured.layers for c in cands]
+    p = torch.tensor([predicted.kl[n][c] for n, c in cells])
+    m = torch.tensor([measured.kl[n][c] for n, c in cells])
+    rank = lambda t: t.argsort().argsort().float()  # noqa: E731
+    assert torch.corrcoef(torch.stack([rank(p), rank(m)]))[0, 1] > 0.9  # measured: 0.99
+    ratio = sum(predicted.kl[n]["int4-g32"] for n in measured.layers) / sum(measured.kl[n]["int4-g32"]
+                                                                            for n in measured.layers)
+    assert 0.7 < ratio < 1.4, ratio  # measured: 1.00
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fisher_recipes_are_named_and_cached_apart(tmp_path):
+    """``--proxy fisher`` writes recipes named ``<budget>b-fisher`` from a table
+    keyed by its proxy: a measured table in the same place is not reused for it."""
+    out = tmp_path / "r"
+    measured = sensitivity.run("tiny", ["int4-g32", "int8"], "builtin", 64, "bfloat16", out, None, str(tmp_path), [6.0])
+    predicted = sensitivity.run("tiny", ["int4-g32", "int8"], "builtin", 64, "bfloat16", out, None, str(tmp_path),
+                                [6.0], proxy="fisher")
+    assert predicted.key["reference"] == sensitivity.PROXIES["fisher"] != measured.key["reference"]
+    assert predicted.kl != measured.kl
+    assert yaml.safe_load((out / "6b.yaml").read_text())["name"] == "6b-fisher"
+
+
 def test_sensitivity_table_on_the_tiny_model(tmp_path):
     cfg = compose_cfg(["model=tiny"]).model
     model, tok = models.load(cfg, str(tmp_path))
