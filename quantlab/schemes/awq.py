@@ -33,13 +33,14 @@ from quantlab.schemes.registry import Applied, ApplyContext, Support, register_w
 
 log = logging.getLogger("quantlab")
 ROWS = 512  # activation rows kept per group for the search
+GRID = 20  # alpha in {0, 1/GRID, ..., 1}
 
 
 @dataclass
 class AWQScheme(WeightScheme):
     group_size: int = 32
     symmetric: bool = False
-    grid: int = 20  # alpha in {0, 1/grid, ..., 1}; alpha = 0 is plain RTN
+    grid: int = GRID  # alpha in {0, 1/grid, ..., 1}; alpha = 0 is plain RTN
     calibration: str = "wiki"
     n_samples: int = 16
     seq_len: int = 512

@@ -125,7 +125,7 @@ def apply(model: torch.nn.Module, cfg: MixedScheme, ctx: ApplyContext) -> Applie
         model.float()
         ids, tags = calibration.batch_or_builtin(cfg.calibration, "awq", ctx, cfg.n_samples, cfg.seq_len)
         tags.update(awq.scale_model(model, {n: readback(cfg.layers.get(n, cfg.default)) for n, _ in linears},
-                                    ids, awq.AWQScheme.grid))
+                                    ids, awq.GRID))
     counts: dict[str, int] = {}
     for name, lin in linears:
         choice = cfg.layers.get(name, cfg.default)
