@@ -42,6 +42,7 @@ from quantlab.schemes.int8 import Int8Scheme
 from quantlab.schemes.kv import NoKV
 from quantlab.schemes.kv import apply as kv_apply
 from quantlab.schemes.registry import ApplyContext, weights_handler
+from quantlab.schemes.smoothquant import W8A8Scheme
 from quantlab.targets.cpu import CPUTarget
 from quantlab.targets.llamacpp import LlamaCppEngine, LlamaCppTarget, LlamaCppTargetConfig
 
@@ -50,6 +51,8 @@ SCHEMES = {
     "int4-g64": Int4Scheme(group_size=64), "int4-g32": Int4Scheme(group_size=32),
     "int4-g32-sym": Int4Scheme(group_size=32, symmetric=True),
     "gptq-g32-sym": GPTQScheme(group_size=32, symmetric=True),  # calibration: wiki (64 x 512), see build()
+    # W8A8 INT8 (PyTorch runtimes only: GGUF has no such type); SmoothQuant alpha searched, optionally the rotated down_proj
+    "w8a8-sq-auto": W8A8Scheme(grid=20), "w8a8-sq-auto-had128": W8A8Scheme(grid=20, rotate_down=128),
 }
 OWN_FTYPE = {"int8": "Q8_0", "int4-g32-sym": "Q4_0", "int4-g32": "Q4_1"}  # llama.cpp's own quantizer
 GGML_BF16 = 30  # ggml_type of BF16 (llama-cpp-python has no constant for it)
@@ -101,6 +104,8 @@ def build(args, tmp: Path) -> dict[tuple[str, str], tuple]:
                 path = own_quantized(cfg, OWN_FTYPE[s], args.cache_dir, tmp, args.threads)
                 eng = LlamaCppEngine(path, lc_cfg, "F16", 0)
                 built[(s, rt)] = (eng, None, gguf_export.tensor_bytes(path))
+            elif rt == "llamacpp" and not weights_handler(SCHEMES[s]).mapping("gguf", SCHEMES[s]).ok:
+                continue  # no GGUF type for it (W8A8)
             else:
                 model, tok, nbytes = quantized(cfg, s, args.cache_dir, args.data_dir)
                 kv = kv_apply(model, NoKV(), None)

@@ -18,6 +18,8 @@ numerics tests and export.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -179,24 +181,56 @@ class FP8Linear(nn.Module):
         return self.weight_fp8.float() * self.scale[:, None]
 
 
+@functools.lru_cache(maxsize=None)
+def hadamard(n: int) -> torch.Tensor:
+    """The ``n x n`` Sylvester Hadamard matrix over ``sqrt(n)`` (fp32,
+    orthogonal and symmetric: ``H @ H = I``); ``n`` a power of two."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size {n}; valid: a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def rotate_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` (fp32, last dim a multiple of ``block``) times the block-diagonal
+    Hadamard ``diag(H, H, ...)``: each run of ``block`` channels mixed into
+    ``block`` channels of the same energy, so one outlier channel spreads over
+    its block. Its own inverse."""
+    shape = x.shape
+    return (x.reshape(*shape[:-1], shape[-1] // block, block) @ hadamard(block)).reshape(shape)
+
+
 class Int8DynLinear(nn.Module):
     """W8A8 INT8: int8 weights per output channel and int8 activations with a
     dynamic per-token scale, multiplied by ``torch._int_mm`` (int8 x int8 ->
-    int32, a real integer GEMM on CPU), then rescaled by both scales."""
+    int32, a real integer GEMM on CPU), then rescaled by both scales.
+
+    ``rotate > 0`` (QuaRot's online Hadamard): the input is multiplied by a
+    block-diagonal Hadamard (``rotate_blocks``) before its quantization and
+    the weight stored rotated the same way, so the float product is unchanged
+    while per-token outliers spread across their block."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, rotate: int = 0):
         super().__init__()
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.compute_dtype = compute_dtype
+        self.rotate = rotate
         self.register_buffer("qweight_t", q.T.contiguous())  # [K, N] int8, as _int_mm takes it
         self.register_buffer("scale", scale.float())  # [N] fp32
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype) -> "Int8DynLinear":
-        q, scale = rtn_int8(linear.weight.detach().float())
-        return cls(q, scale, linear.bias, compute_dtype)
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype, rotate: int = 0) -> "Int8DynLinear":
+        w = linear.weight.detach().float()
+        if rotate:
+            if w.shape[1] % rotate:
+                raise ValueError(f"Hadamard block {rotate} does not divide the {w.shape[1]} input channels")
+            w = rotate_blocks(w, rotate)
+        q, scale = rtn_int8(w)
+        return cls(q, scale, linear.bias, compute_dtype, rotate)
 
     @staticmethod
     def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,15 +239,19 @@ class Int8DynLinear(nn.Module):
         return torch.round(x.float() / s).clamp(-127, 127).to(torch.int8), s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        xq, sx = self.quantize_tokens(x.reshape(-1, shape[-1]))
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, shape[-1])
+        xq, sx = self.quantize_tokens(rotate_blocks(x.float(), self.rotate) if self.rotate else x)
         y = (torch._int_mm(xq, self.qweight_t).float() * sx * self.scale).to(self.compute_dtype)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features).to(dtype)
 
     def dequantize(self) -> torch.Tensor:
-        return self.qweight_t.T.float() * self.scale[:, None]
+        """The float weight this layer computes with, in its input's own basis
+        (the rotation undone)."""
+        w = self.qweight_t.T.float() * self.scale[:, None]
+        return rotate_blocks(w, self.rotate) if self.rotate else w
 
     def int_weights(self) -> tuple[torch.Tensor, torch.Tensor, None]:
         """``(q [N, K] in -127..127, scale [N, 1], None)``: symmetric, ``w = q * scale``."""

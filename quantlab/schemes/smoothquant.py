@@ -10,6 +10,13 @@ that group's layers on calibration rows (the "auto alpha" of later SmoothQuant
 implementations). Then every selected layer becomes an
 ``Int8DynLinear``: int8 weights per channel, int8 activations per token,
 ``torch._int_mm`` (a real int8 GEMM on CPU).
+
+``rotate_down > 0`` adds QuaRot's online Hadamard before ``down_proj``
+(Ashkboos et al., 2024): the SwiGLU product entering it has per-*token*
+outliers that no per-channel scale can move; a block-diagonal Hadamard on its
+input (and the same rotation stored in its weight) spreads each over its
+block before the per-token quantization. The smoothing search for that group
+sees the rotation, so its alpha is chosen for the rotated layer.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from quantlab import calibration
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers, smoothing
 from quantlab.schemes.base import WeightScheme
-from quantlab.schemes.qlinear import Int8DynLinear, rtn_int8
+from quantlab.schemes.qlinear import Int8DynLinear, rotate_blocks, rtn_int8
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 log = logging.getLogger("quantlab")
@@ -34,6 +41,7 @@ class W8A8Scheme(WeightScheme):
     smooth: bool = True  # false: naive W8A8, the reference SmoothQuant is measured against
     alpha: float = 0.5  # migration strength (0: none, 1: all onto the weights)
     grid: int = 0  # > 0: alpha per layer group, searched in {0, 1/grid, ..., 1}; alpha is then unused
+    rotate_down: int = 0  # > 0: online block-Hadamard of this size (a power of two) on down_proj's input
     calibration: str = "wiki"
     n_samples: int = 16
     seq_len: int = 512
@@ -45,15 +53,20 @@ class W8A8Scheme(WeightScheme):
             raise ValueError(f"w8a8 alpha {self.alpha}; valid: 0..1")
         if self.grid < 0:
             raise ValueError(f"w8a8 grid {self.grid}; valid: >= 0 (0: the one alpha)")
+        if self.rotate_down < 0 or self.rotate_down & (self.rotate_down - 1):
+            raise ValueError(f"w8a8 rotate_down {self.rotate_down}; valid: 0 (none) or a power of two")
 
     def short_name(self) -> str:
         """``w8a8``, ``w8a8-sq`` (the preset's alpha 0.5), ``w8a8-sq-a0.75`` (any
-        other alpha), ``w8a8-sq-auto`` (alpha searched per group)."""
+        other alpha), ``w8a8-sq-auto`` (alpha searched per group); a rotated
+        ``down_proj`` adds ``-had<block>``."""
         if not self.smooth:
-            return "w8a8"
-        if self.grid:
-            return "w8a8-sq-auto"
-        return "w8a8-sq" if self.alpha == 0.5 else f"w8a8-sq-a{self.alpha:g}"
+            name = "w8a8"
+        elif self.grid:
+            name = "w8a8-sq-auto"
+        else:
+            name = "w8a8-sq" if self.alpha == 0.5 else f"w8a8-sq-a{self.alpha:g}"
+        return f"{name}-had{self.rotate_down}" if self.rotate_down else name
 
 
 def support(cfg: W8A8Scheme, hw: Hardware) -> Support:
@@ -76,25 +89,37 @@ def smoothing_scales(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: 
     return (act_max.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
 
 
-def w8a8_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor) -> float:
-    """``sum ||Q_token(x / s) Q_channel(W s)^T - x W^T||^2`` over the layers
-    sharing input ``x`` ([rows, K], fp32): the error ``Int8DynLinear`` makes."""
-    xq, sx = Int8DynLinear.quantize_tokens(x / s)
+def w8a8_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor, rotate: int = 0) -> float:
+    """``sum ||Q_token(R(x / s)) Q_channel(R(W s))^T - x W^T||^2`` over the
+    layers sharing input ``x`` ([rows, K], fp32), ``R`` the block Hadamard of
+    size ``rotate`` (identity at 0): the error ``Int8DynLinear`` makes."""
+    xs = x / s
+    xq, sx = Int8DynLinear.quantize_tokens(rotate_blocks(xs, rotate) if rotate else xs)
     xd = xq.float() * sx
     total = 0.0
     for w in weights:
-        q, sw = rtn_int8(w * s)
+        ws = w * s
+        q, sw = rtn_int8(rotate_blocks(ws, rotate) if rotate else ws)
         total += float(((xd @ (q.float() * sw[:, None]).T - x @ w.T) ** 2).sum())
     return total
 
 
 def search_alpha(x: torch.Tensor, act_max: torch.Tensor, weights: list[torch.Tensor],
-                 grid: int) -> tuple[torch.Tensor, float, float]:
+                 grid: int, rotate: int = 0) -> tuple[torch.Tensor, float, float]:
     """``(s, alpha, error ratio vs naive W8A8)`` with the alpha in ``{0, 1/grid,
-    ..., 1}`` whose SmoothQuant scales give the least ``w8a8_error`` on ``x``."""
+    ..., 1}`` whose SmoothQuant scales give the least ``w8a8_error`` on ``x``
+    (naive W8A8 rotated the same way when ``rotate``)."""
     return smoothing.search([i / grid for i in range(grid + 1)],
                             lambda a: smoothing_scales(act_max, weights, a),
-                            lambda s: w8a8_error(x, weights, s))
+                            lambda s: w8a8_error(x, weights, s, rotate))
+
+
+DOWN = "mlp.down_proj"
+
+
+def _rotation(cfg: W8A8Scheme, name: str) -> int:
+    """The Hadamard block of layer ``name``: ``rotate_down`` for ``down_proj``, else 0."""
+    return cfg.rotate_down if name.endswith(DOWN) else 0
 
 
 def _amax_and_rows(calls: int):
@@ -113,6 +138,10 @@ def apply(model: nn.Module, cfg: W8A8Scheme, ctx: ApplyContext) -> Applied:
     dtype = getattr(torch, cfg.compute_dtype)
     model.float()
     selected = dict(layers.select(model, cfg.skip))
+    for name, lin in selected.items():
+        if _rotation(cfg, name) and lin.in_features % cfg.rotate_down:
+            raise ValueError(f"w8a8 rotate_down {cfg.rotate_down} does not divide {name}'s "
+                             f"{lin.in_features} input channels")
     tags: dict[str, str] = {}
     if cfg.smooth:
         ids, tags = calibration.batch_or_builtin(cfg.calibration, "smoothquant", ctx, cfg.n_samples, cfg.seq_len)
@@ -127,7 +156,7 @@ def apply(model: nn.Module, cfg: W8A8Scheme, ctx: ApplyContext) -> Applied:
             weights = [layer.get_submodule(m).weight.float() for m in members]
             act_max, rows = seen[first]
             if cfg.grid:
-                s, alpha, ratio = search_alpha(rows, act_max, weights, cfg.grid)
+                s, alpha, ratio = search_alpha(rows, act_max, weights, cfg.grid, _rotation(cfg, first))
                 alphas.append(alpha)
                 ratios.append(ratio)
             else:
@@ -143,8 +172,10 @@ def apply(model: nn.Module, cfg: W8A8Scheme, ctx: ApplyContext) -> Applied:
         else:
             log.info("smoothquant: %d layer groups smoothed (alpha %.2f)", len(groups), cfg.alpha)
     for name, lin in selected.items():
-        layers.replace(model, name, Int8DynLinear.from_linear(lin, dtype))
+        layers.replace(model, name, Int8DynLinear.from_linear(lin, dtype, _rotation(cfg, name)))
     layers.cast_parameters(model, dtype)
+    if cfg.rotate_down:
+        tags["w8a8.rotate_down"] = str(cfg.rotate_down)
     return Applied(backend="torch._int_mm (int8 x int8)", emulated=False, tags=tags)
 
 
@@ -153,7 +184,11 @@ def checkpoint(cfg: W8A8Scheme) -> Mapping:
     (the smoothing already folded into the norms and ``up_proj``, so the
     checkpoint is a plain Llama with W8A8 layers) and dynamic per-token int8
     input activations (what transformers applies on reload; vLLM's W8A8 INT8
-    path reads this format)."""
+    path reads this format). Not with ``rotate_down``: the rotated weights need
+    the online Hadamard at inference, which this format's plain layers lack."""
+    if cfg.rotate_down:
+        return Mapping(reason=f"{cfg.short_name()}: down_proj computes in a Hadamard-rotated basis that "
+                              "int-quantized checkpoints cannot express (export without rotate_down)")
     return Mapping({"format": "int-quantized",
                     "args": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
                              "scale_dtype": cfg.compute_dtype},
