@@ -116,7 +116,7 @@ def build(args, tmp: Path) -> dict[tuple[str, str], tuple]:
                     target = CPUTarget(CPUTargetConfig(compile=rt == "compile"))
                     eng = target.engine(model, kv, tok)
                 built[(s, rt)] = (eng, tok, nbytes)
-            print(f"{s:<14} {rt:<13} ready in {time.perf_counter() - t:6.1f} s", flush=True)
+            print(f"{s:<19} {rt:<13} ready in {time.perf_counter() - t:6.1f} s", flush=True)
     return built
 
 
@@ -134,13 +134,13 @@ def quality(built, args) -> None:
                                      512, args.ppl_windows)
     print(f"\nKL over {ids.shape[1]} tokens of {'WikiText-2 test' if args.data_dir else 'the built-in text'}; "
           f"perplexity over {0 if wins is None else wins.shape[0]} windows of 512")
-    print(f"{'scheme':<14} {'runtime':<13} {'KL vs fp32':>11} {'top-1':>7} {'ppl WT2 w512':>13}")
+    print(f"{'scheme':<19} {'runtime':<13} {'KL vs fp32':>11} {'top-1':>7} {'ppl WT2 w512':>13}")
     for (s, rt), (eng, _, _) in built.items():
         if not rt.startswith("llamacpp"):
             continue
         f = fidelity.compare(ref, fidelity.logprobs(eng, ids))
         ppl = float(np.exp(perplexity.token_nll(eng, wins).mean())) if wins is not None else float("nan")
-        print(f"{s:<14} {rt:<13} {f['fid/kl_mean']:>11.4f} {f['fid/top1_agree']:>7.3f} {ppl:>13.3f}", flush=True)
+        print(f"{s:<19} {rt:<13} {f['fid/kl_mean']:>11.4f} {f['fid/top1_agree']:>7.3f} {ppl:>13.3f}", flush=True)
 
 
 def main() -> None:
@@ -191,14 +191,14 @@ def baseline(built, rt: str) -> tuple[str, str] | None:
 def report(built, tpot, ttft, peak, args) -> None:
     print(f"\nCPU: {hardware.cpu_name()}, {args.threads} threads, read bandwidth {peak / 1e9:.1f} GB/s "
           f"(measured), load1 {os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"{'scheme':<14} {'runtime':<13} {'TPOT ms':>8} {'tok/s':>7} {'vs base':>14} {'TTFT128':>8} "
+    print(f"{'scheme':<19} {'runtime':<13} {'TPOT ms':>8} {'tok/s':>7} {'vs base':>14} {'TTFT128':>8} "
           f"{'TTFT512':>8} {'MB/step':>8} {'GB/s':>6} {'of peak':>7} {'overhead ms':>11}")
     for (s, rt), (_, _, nbytes) in built.items():
         med = statistics.median(tpot[(s, rt)])
         b = baseline(built, rt) or (s, rt)
         ratios = [x / y for x, y in zip(tpot[b], tpot[(s, rt)])]
         floor_ms = nbytes / peak * 1e3
-        print(f"{s:<14} {rt:<13} {med:>8.2f} {1000 / med:>7.1f} {statistics.median(ratios):>6.2f}x {b[0]:<6} "
+        print(f"{s:<19} {rt:<13} {med:>8.2f} {1000 / med:>7.1f} {statistics.median(ratios):>6.2f}x {b[0]:<6} "
               f"{statistics.median(ttft[(s, rt)][128]):>8.1f} {statistics.median(ttft[(s, rt)][512]):>8.1f} "
               f"{nbytes / 2**20:>8.1f} {nbytes / med / 1e6:>6.1f} {nbytes / med / 1e6 / (peak / 1e9):>7.0%} "
               f"{med - floor_ms:>11.2f}")
