@@ -104,8 +104,9 @@ def build(args, tmp: Path) -> dict[tuple[str, str], tuple]:
                 path = own_quantized(cfg, OWN_FTYPE[s], args.cache_dir, tmp, args.threads)
                 eng = LlamaCppEngine(path, lc_cfg, "F16", 0)
                 built[(s, rt)] = (eng, None, gguf_export.tensor_bytes(path))
-            elif rt == "llamacpp" and not weights_handler(SCHEMES[s]).mapping("gguf", SCHEMES[s]).ok:
-                continue  # no GGUF type for it (W8A8)
+            elif rt == "llamacpp" and not (sup := LlamaCppTarget(lc_cfg).supports(SCHEMES[s], NoKV())).runnable:
+                print(f"{s:<19} {rt:<13} skipped: {sup.reason}", flush=True)
+                continue
             else:
                 model, tok, nbytes = quantized(cfg, s, args.cache_dir, args.data_dir)
                 kv = kv_apply(model, NoKV(), None)
