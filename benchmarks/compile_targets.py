@@ -18,9 +18,10 @@ import time
 import torch
 
 from quantlab import hardware, targets
-from quantlab.config import CPUTargetConfig, LatencyProbeConfig, ModelConfig
+from quantlab.config import LatencyProbeConfig, ModelConfig
+from quantlab.targets.cpu import CPUTargetConfig
 from quantlab.decode import Clock
-from quantlab.probes import corpus
+from quantlab import corpus
 from quantlab.probes.latency import run_request
 from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.int4 import Int4Scheme

@@ -24,7 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 from runtimes import SCHEMES, quantized  # the speed tables' schemes and how they are built
 
 from quantlab import hardware, targets
-from quantlab.config import CPUTargetConfig, ModelConfig
+from quantlab.config import ModelConfig
+from quantlab.targets.cpu import CPUTargetConfig
 from quantlab.decode import Clock
 from quantlab.probes import roofline
 from quantlab.schemes.kv import NoKV, cache_factory

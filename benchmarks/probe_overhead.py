@@ -19,7 +19,7 @@ from quantlab import models
 from quantlab.config import LatencyProbeConfig, ModelConfig
 from quantlab.decode import Clock, decode_loop
 from quantlab.engines.pytorch import TorchEngine
-from quantlab.probes import corpus
+from quantlab import corpus
 from quantlab.probes.latency import run_request
 
 

@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantlab import gguf_export, hardware, models
-from quantlab.config import CPUTargetConfig, ModelConfig
+from quantlab import corpus, hardware, models
+from quantlab.config import ModelConfig
 from quantlab.engines.pytorch import TorchEngine
-from quantlab.probes import corpus, fidelity, perplexity, roofline, size
+from quantlab.probes import fidelity, perplexity, roofline, size
 from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.gptq import GPTQScheme
 from quantlab.schemes.int4 import Int4Scheme
@@ -44,7 +44,10 @@ from quantlab.schemes.kv import apply as kv_apply
 from quantlab.schemes.registry import ApplyContext, weights_handler
 from quantlab.schemes.smoothquant import W8A8Scheme
 from quantlab.targets.cpu import CPUTarget
-from quantlab.targets.llamacpp import LlamaCppEngine, LlamaCppTarget, LlamaCppTargetConfig
+from quantlab.engines.llamacpp import LlamaCppEngine
+from quantlab.export import gguf as gguf_export
+from quantlab.targets.cpu import CPUTargetConfig
+from quantlab.targets.llamacpp import LlamaCppTarget, LlamaCppTargetConfig
 
 SCHEMES = {
     "bf16": FloatScheme("bfloat16"), "fp16": FloatScheme("float16"), "int8": Int8Scheme(),
@@ -102,7 +105,7 @@ def build(args, tmp: Path) -> dict[tuple[str, str], tuple]:
                 if s not in OWN_FTYPE:
                     continue
                 path = own_quantized(cfg, OWN_FTYPE[s], args.cache_dir, tmp, args.threads)
-                eng = LlamaCppEngine(path, lc_cfg, "F16", 0)
+                eng = LlamaCppEngine(path, "F16", 0, lc_cfg.n_ctx, lc_cfg.n_batch, lc_cfg.threads)
                 built[(s, rt)] = (eng, None, gguf_export.tensor_bytes(path))
             elif rt == "llamacpp" and not (sup := LlamaCppTarget(lc_cfg).supports(SCHEMES[s], NoKV())).runnable:
                 print(f"{s:<19} {rt:<13} skipped: {sup.reason}", flush=True)

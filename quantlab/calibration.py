@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from quantlab.errors import UserError
-from quantlab.probes import corpus
+from quantlab import corpus
 
 log = logging.getLogger("quantlab")
 SPEC_DIR = Path(__file__).resolve().parent.parent / "calibration"

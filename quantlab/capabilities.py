@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from quantlab import targets
 from quantlab.cli import CONF_DIR, presets
-from quantlab.config import register_configs
+from quantlab.compose import register_configs
 
 
 def _objects(group: str) -> dict[str, object]:

@@ -18,7 +18,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from quantlab.config import MODEL_PATH_HINT, RunConfig, register_configs, validate
+from quantlab.compose import register_configs
+from quantlab.config import MODEL_PATH_HINT, RunConfig, validate
 from quantlab.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"

@@ -1,13 +1,20 @@
 """Typed configuration for one sweep point.
 
 Every YAML preset under ``conf/`` merges onto one of these dataclasses (they are
-stored in Hydra's ConfigStore by :func:`register_configs`), so a typo in a field
+stored in Hydra's ConfigStore by :func:`quantlab.compose.register_configs`), so a typo in a field
 name or a wrong type fails at compose time instead of deep inside a sweep.
 
 Polymorphic slots (the weight scheme, the KV scheme, the target) are typed
 ``Any`` here; each preset pulls in its own schema through its defaults list
 (``- _float``), and ``OmegaConf.to_object`` turns the node into that dataclass.
 The pipeline then dispatches on the dataclass *type* (see ``schemes/registry``).
+
+A string field with a fixed set of values declares it once, as
+``metadata={"choices": (...)}``; :func:`validate` (every field) and
+:func:`check_choice` (one field, for code given a raw value) are the only
+places that check it. This module imports nothing else of quantlab: Hydra's
+ConfigStore and the dict round trip, which need every scheme and target, are
+:mod:`quantlab.compose`.
 """
 from __future__ import annotations
 
@@ -15,7 +22,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
@@ -58,48 +64,11 @@ class SchemeConfig:
 
 @dataclass
 class TargetConfig:
-    """Base of target configs; ``name`` selects the target implementation."""
+    """Base of target configs; ``name`` selects the target implementation.
+    Each target's own config subclasses this beside its target
+    (``quantlab/targets/<name>.py``)."""
 
     name: str = MISSING
-
-
-@dataclass
-class CPUTargetConfig(TargetConfig):
-    """``compile``: torch.compile (inductor). ``compile_mode``: torch.compile's
-    mode. ``static_cache``: > 0 decodes into a preallocated ``StaticCache`` of
-    that many tokens (fixed shapes: no recompiles, and what CUDA graphs need)."""
-
-    name: str = "cpu"
-    threads: Optional[int] = field(default=None, metadata={"min": 1})  # None: leave torch's default (all cores)
-    compile: bool = False
-    compile_mode: str = "default"
-    static_cache: int = 0
-
-
-@dataclass
-class CUDATargetConfig(TargetConfig):
-    """As the CPU target; ``compile_mode=reduce-overhead`` captures CUDA graphs
-    and needs ``static_cache`` > 0."""
-
-    name: str = "cuda"
-    device: int = 0
-    compile: bool = False
-    compile_mode: str = "default"
-    static_cache: int = 0
-
-
-@dataclass
-class NeuronTargetConfig(TargetConfig):
-    """AWS Inferentia2/Trainium via optimum-neuron in its own interpreter."""
-
-    name: str = "neuron"
-    python: str = "python3"  # the Neuron virtualenv's interpreter
-    batch_size: int = field(default=1, metadata={"min": 1})
-    sequence_length: int = field(default=2048, metadata={"min": 1})
-    num_cores: int = field(default=2, metadata={"min": 1})  # tensor-parallel degree
-    compile_cache: str = "~/.cache/quantlab/neuron"
-    compile: bool = True
-    timeout_s: float = field(default=3600.0, metadata={"above": 0})
 
 
 @dataclass
@@ -177,6 +146,10 @@ class SLOConfig:
     tpot_ms: Optional[float] = field(default=None, metadata={"above": 0})
 
 
+# The load probe's policies (``quantlab.serving.policies`` serves each of them).
+POLICIES = ("continuous", "dynamic", "passthrough")
+
+
 @dataclass
 class LoadProbeConfig:
     """Open-loop load (:mod:`quantlab.probes.load`). ``rates``: requests/s, or
@@ -196,7 +169,7 @@ class LoadProbeConfig:
     enabled: bool = False
     rates: Any = "auto"
     auto_fractions: list[float] = field(default_factory=lambda: [0.5, 0.8, 1.0, 1.3], metadata={"above": 0})
-    arrival: str = "poisson"
+    arrival: str = field(default="poisson", metadata={"choices": ("poisson", "constant")})
     duration_s: float = field(default=10.0, metadata={"above": 0})
     min_requests: int = field(default=12, metadata={"min": 1})  # a rate lasts max(duration_s, min_requests / rate)
     drain_s: float = field(default=20.0, metadata={"above": 0})
@@ -204,10 +177,10 @@ class LoadProbeConfig:
     warmup_requests: int = field(default=2, metadata={"min": 1})
     prompt_tokens: int = field(default=64, metadata={"min": 1})
     new_tokens: int = field(default=16, metadata={"min": 1})
-    prompts: str = "windows"
+    prompts: str = field(default="windows", metadata={"choices": ("windows", "paragraphs")})
     prompt_tokens_min: int = field(default=8, metadata={"min": 1})
     new_tokens_min: Optional[int] = field(default=None, metadata={"min": 1})
-    policies: list[str] = field(default_factory=lambda: ["continuous", "dynamic", "passthrough"])
+    policies: list[str] = field(default_factory=lambda: list(POLICIES), metadata={"choices": POLICIES})
     max_batch: int = field(default=8, metadata={"min": 1})
     max_wait_ms: float = field(default=20.0, metadata={"min": 0})
     goodput: bool = True
@@ -253,25 +226,8 @@ class RunConfig:
     sweep_name: str = "adhoc"
     recovery_baseline: str = "auto"  # auto: highest-precision point; or a scheme name (bf16)
     force: bool = False  # re-run points that already have a finished run
-    isolation: str = "none"  # none | process: each point in a fresh process
-
-
-def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore (idempotent)."""
-    from quantlab import targets
-    from quantlab.schemes import registry
-
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=RunConfig)
-    for name, node in registry.weight_schemas().items():
-        cs.store(group="scheme/weights", name=f"_{name}", node=node)
-    for name, node in registry.kv_schemas().items():
-        cs.store(group="scheme/kv", name=f"_{name}", node=node)
-    for node in targets.config_types():
-        cs.store(group="target", name=f"_{node.name}", node=node)
-    cs.store(group="model", name="_model", node=ModelConfig)
-    cs.store(group="probe", name="_probe", node=ProbeConfig)
-    cs.store(group="tracking", name="_tracking", node=TrackingConfig)
+    isolation: str = field(default="none", metadata={"choices": ("none", "process")})  # process: a fresh
+    # process per point
 
 
 MODEL_PATH_HINT = "model=hf and model=gguf need model.path=<hub id, local directory or .gguf file>"
@@ -293,6 +249,9 @@ def validate(cfg: Any, path: str = "") -> None:
         if dataclasses.is_dataclass(value):
             validate(value, f"{name}.")
             continue
+        if "choices" in f.metadata:
+            for v in (value if isinstance(value, list) else [value]):
+                check_choice(name, v, f.metadata["choices"])
         for v in (value if isinstance(value, list) else [value]):
             if v is None or not isinstance(v, (int, float)):
                 continue
@@ -302,26 +261,29 @@ def validate(cfg: Any, path: str = "") -> None:
                 raise ValueError(f"{name}={value}: must be > {f.metadata['above']}")
 
 
-def _validate_load(cfg: LoadProbeConfig, path: str) -> None:
-    from quantlab.probes.load import POLICIES
+def choices(config_type: type, name: str) -> tuple[str, ...]:
+    """The values field ``name`` of ``config_type`` declares (``metadata["choices"]``)."""
+    return next(f.metadata["choices"] for f in dataclasses.fields(config_type) if f.name == name)
 
+
+def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    """The one check of a string choice: ``ValueError('unknown <name> <value>; valid: ...')``."""
+    if value not in valid:
+        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
+def _validate_load(cfg: LoadProbeConfig, path: str) -> None:
     rates = cfg.rates
     if rates != "auto" and (not isinstance(rates, list) or not rates
                             or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0
                                        for r in rates)):
         raise ValueError(f"{path}rates={rates}: must be auto or a list of request rates > 0 (requests/s)")
-    if cfg.arrival not in ("poisson", "constant"):
-        raise ValueError(f"{path}arrival={cfg.arrival!r}: valid: poisson, constant")
-    if cfg.prompts not in ("windows", "paragraphs"):
-        raise ValueError(f"{path}prompts={cfg.prompts!r}: valid: windows, paragraphs")
     if cfg.prompt_tokens_min > cfg.prompt_tokens:
         raise ValueError(f"{path}prompt_tokens_min={cfg.prompt_tokens_min}: must be <= {path}prompt_tokens "
                          f"({cfg.prompt_tokens})")
     if cfg.new_tokens_min is not None and cfg.new_tokens_min > cfg.new_tokens:
         raise ValueError(f"{path}new_tokens_min={cfg.new_tokens_min}: must be <= {path}new_tokens "
                          f"({cfg.new_tokens})")
-    if bad := [p for p in cfg.policies if p not in POLICIES]:
-        raise ValueError(f"{path}policies: unknown {', '.join(map(repr, bad))}; valid: {', '.join(POLICIES)}")
     if cfg.enabled and cfg.goodput and (cfg.slo.ttft_ms is None or cfg.slo.tpot_ms is None):
         raise ValueError(f"{path}goodput=true needs {path}slo.ttft_ms and {path}slo.tpot_ms "
                          f"(or {path}goodput=false)")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -29,12 +28,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from quantlab import checkpoint, hardware, models, plots, provenance, targets, tracking
-from quantlab.config import RunConfig
+from quantlab import corpus, hardware, models, plots, point, provenance, targets, tracking
+from quantlab.compose import config_dict
+from quantlab.config import RunConfig, check_choice, choices
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
 from quantlab.measurement import Measurement
-from quantlab.probes import (accuracy, corpus, energy, fidelity, kv_capacity, latency, load, perplexity, roofline,
+from quantlab.export import formats
+from quantlab.probes import (accuracy, energy, fidelity, kv_capacity, latency, load, perplexity, roofline,
                              size, stages)
 from quantlab.probes import cache as cache_probe
 from quantlab.schemes.registry import ApplyContext, kv_handler
@@ -42,7 +43,6 @@ from quantlab.schemes.registry import ApplyContext, kv_handler
 log = logging.getLogger("quantlab")
 
 PARENT_ENV = "QUANTLAB_PARENT_RUN_ID"
-ISOLATION = ("none", "process")
 
 
 @dataclass
@@ -53,62 +53,49 @@ class PointResult:
     reason: str = ""
 
 
-def config_dict(cfg: RunConfig) -> dict:
-    """Plain-dict form of the config; polymorphic slots carry their type name."""
-    d = dataclasses.asdict(cfg)
-    d["scheme"] = {"weights": cfg.scheme.weights.to_dict(), "kv": cfg.scheme.kv.to_dict()}
-    d["target"] = {"type": type(cfg.target).__name__, **dataclasses.asdict(cfg.target)}
-    return d
+def identify(cfg: RunConfig) -> tuple[point.Identity, dict]:
+    """The point's identity and its plain-dict config, computed once per point."""
+    as_dict = config_dict(cfg)
+    return point.identify(cfg, as_dict, provenance.code_version(), provenance.data_fingerprint(cfg)), as_dict
 
 
 def point_hash(cfg: RunConfig) -> str:
     """Stable id of what a point measures (not where it is logged or cached):
     its config, quantlab's code version and the sha256 of the data files it reads."""
-    d = config_dict(cfg)
-    semantic = {k: d[k] for k in ("model", "scheme", "target", "probe", "seed")}
-    semantic["model"] = {k: v for k, v in semantic["model"].items() if k != "name"}
-    semantic["code"] = provenance.code_version()
-    semantic["data"] = provenance.data_fingerprint(cfg)
-    return hashlib.sha256(json.dumps(semantic, sort_keys=True).encode()).hexdigest()[:16]
+    return identify(cfg)[0].hash
 
 
-def run_params(cfg: RunConfig) -> dict[str, str]:
+def run_params(cfg: RunConfig, ident: point.Identity, as_dict: dict) -> dict[str, str]:
     """The config as MLflow params, plus ``scheme`` (the point's scheme name, a
     param so that the UI's charts can plot against it); the settings of the
     in-memory ``tiny`` model only where that is the model."""
-    params = tracking.flatten(config_dict(cfg))
+    params = tracking.flatten(as_dict)
     if cfg.model.source != "tiny":
         params = {k: v for k, v in params.items() if not k.startswith("model.tiny.")}
-    params["scheme"] = run_name(cfg).split("@")[0]
+    params[point.SCHEME_TAG] = ident.scheme
     return params
 
 
-def run_name(cfg: RunConfig) -> str:
-    """Readable name: ``bf16@cpu``, ``int4-g64+kv8@cuda``, ``int8@cpu+compile``."""
-    kv = cfg.scheme.kv.short_name()
-    return f"{cfg.scheme.weights.short_name()}{'+' + kv if kv else ''}@{targets.label(cfg.target)}"
-
-
-def base_tags(cfg: RunConfig) -> dict[str, str]:
+def base_tags(cfg: RunConfig, ident: point.Identity) -> dict[str, str]:
     gpu, host = hardware.cuda(0), provenance.host()
     return {
-        tracking.SWEEP_TAG: cfg.sweep_name,
-        "scheme": run_name(cfg).split("@")[0],
-        "scheme.weights": cfg.scheme.weights.short_name(),
+        point.SWEEP_TAG: cfg.sweep_name,
+        point.SCHEME_TAG: ident.scheme,
+        "scheme.weights": ident.weights,
         "scheme.weights.type": type(cfg.scheme.weights).__name__,
-        "scheme.kv": cfg.scheme.kv.short_name() or "none",
+        "scheme.kv": ident.kv or "none",
         "target": cfg.target.name,
-        "target.variant": targets.label(cfg.target),
+        "target.variant": ident.target,
         "model": cfg.model.name,
-        "point_hash": point_hash(cfg),
-        "host.cpu": hardware.cpu_name(),
+        point.HASH_TAG: ident.hash,
+        point.HOST_CPU_TAG: hardware.cpu_name(),
         "host.gpu": gpu.name if gpu else "none",
-        tracking.HOST_ID_TAG: provenance.host_id(host),
-        "host.fingerprint": host,
+        point.HOST_ID_TAG: provenance.host_id(host),
+        point.HOST_FINGERPRINT_TAG: host,
         "quantlab.code": provenance.code_version(),
         "data.sha256": provenance.data_fingerprint(cfg),
         "git_commit": tracking.git_commit(),
-        **checkpoint.exportable_tags(cfg.scheme.weights),
+        **formats.exportable_tags(cfg.scheme.weights),
         **tracking.versions(),
     }
 
@@ -120,23 +107,26 @@ def run_point(cfg: RunConfig) -> PointResult:
     is not run again unless ``cfg.force``; runs left RUNNING by a dead process
     are marked KILLED first, so they are redone.
     """
-    if cfg.isolation not in ISOLATION:
-        raise UserError(f"unknown isolation {cfg.isolation!r}; valid: {', '.join(ISOLATION)}")
+    try:
+        check_choice("isolation", cfg.isolation, choices(RunConfig, "isolation"))
+    except ValueError as e:
+        raise UserError(str(e)) from None
     client, exp_id = tracking.connect(cfg.tracking)
-    name, phash = run_name(cfg), point_hash(cfg)
+    ident, as_dict = identify(cfg)
+    name = ident.name
     parent = os.environ.get(PARENT_ENV)
     for dead in tracking.reap_dead(client, exp_id):
         log.warning("run %s was left RUNNING by a dead process: marked KILLED", dead)
     # timings are only reused from this host; accuracy-only points from any
     same_host = provenance.host_id() if cfg.probe.latency.enabled else None
-    if not cfg.force and (done := tracking.find_finished(client, exp_id, phash, same_host)):
+    if not cfg.force and (done := tracking.find_finished(client, exp_id, ident.hash, same_host)):
         log.info("[%s] already finished as run %s on host %s: reused (force=true re-runs)", name,
-                 done.info.run_id, done.data.tags.get("host.fingerprint", "?"))
+                 done.info.run_id, done.data.tags.get(point.HOST_FINGERPRINT_TAG, "?"))
         if parent:
             tracking.link_reused(client, exp_id, parent, done, cfg.sweep_name)
         return PointResult(done.info.run_id, name, "reused")
-    as_dict = config_dict(cfg)
-    run_id = tracking.start_run(client, exp_id, name, base_tags(cfg), parent_id=parent, params=run_params(cfg))
+    run_id = tracking.start_run(client, exp_id, name, base_tags(cfg, ident), parent_id=parent,
+                                params=run_params(cfg, ident, as_dict))
     tracking.log_text(client, run_id, yaml.safe_dump(as_dict, sort_keys=False), "config.yaml")
     if cfg.isolation == "process":
         return _run_in_subprocess(cfg, run_id, name, client)

@@ -66,7 +66,7 @@ def data_files(cfg) -> list[str]:
         files.add(WIKITEXT)
     if p.accuracy.enabled:
         files.update(f for t in p.accuracy.tasks for f in LOCAL_FILES.get(t, []))
-    if name := getattr(cfg.scheme.weights, "calibration", None):
+    if name := cfg.scheme.weights.calibration_set():
         files.update(calibration.files(name))
     return sorted(files)
 

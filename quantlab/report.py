@@ -6,7 +6,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from quantlab import decision, plots, serving_report, tracking, uncertainty
+from quantlab import decision, plots, point, serving_report, tracking, uncertainty
 from quantlab.errors import UserError
 from quantlab.pareto import Point, Recommendation, fastest_within, frontier
 
@@ -14,8 +14,8 @@ from quantlab.pareto import Point, Recommendation, fastest_within, frontier
 # STDERR) prints as "value±se".
 COLUMNS = (
     ("point", "name", "{}"),
-    ("outcome", "tag:" + tracking.OUTCOME_TAG, "{}"),
-    ("emulated", "tag:emulated", "{}"),
+    ("outcome", "tag:" + point.OUTCOME_TAG, "{}"),
+    ("emulated", "tag:" + point.EMULATED_TAG, "{}"),
     ("MiB", "size/weight_mb", "{:.1f}"),
     ("bits/w", "size/bits_per_weight", "{:.2f}"),
     ("KL mean", "fid/kl_mean", "{:.2e}"),
@@ -44,7 +44,7 @@ def stderr_of(metrics: dict[str, float], key: str) -> float | None:
 def _cell(run, key: str, fmt: str, note: str, reused: bool) -> str:
     if key == "name":
         return run.info.run_name + note
-    if key == "tag:" + tracking.OUTCOME_TAG and reused:
+    if key == "tag:" + point.OUTCOME_TAG and reused:
         return "reused"
     if key.startswith("tag:"):
         return run.data.tags.get(key[4:], "-")
@@ -89,16 +89,16 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
                      f"(paired on the same items: exact McNemar for accuracies, per-token NLL for "
                      f"perplexity; p >= {uncertainty.ALPHA}).")
     origins = [f"- {r.info.run_name}: measured by run {tracking.origin(r)}, "
-               f"host {r.data.tags.get('host.fingerprint', r.data.tags.get('host.cpu', '?'))}"
+               f"host {r.data.tags.get(point.HOST_FINGERPRINT_TAG, r.data.tags.get(point.HOST_CPU_TAG, '?'))}"
                for r in runs if r.info.run_id in reused]
     if origins:
         lines += ["", "Reused from earlier runs (same config, code and data; timings only from this host):",
                   *origins]
-    reasons = [f"- {r.info.run_name}: {r.data.tags[tracking.REASON_TAG]}" for r in runs
-               if tracking.REASON_TAG in r.data.tags]
+    reasons = [f"- {r.info.run_name}: {r.data.tags[point.REASON_TAG]}" for r in runs
+               if point.REASON_TAG in r.data.tags]
     if reasons:
         lines += ["", "Skipped or failed:", *reasons]
-    if any(r.data.tags.get("emulated") == "true" for r in runs):
+    if any(r.data.tags.get(point.EMULATED_TAG) == "true" for r in runs):
         lines += ["", "emulated=true: no real low-precision kernel on this target; "
                   "latency is NOT that of the scheme (numerics and size are)."]
     return "\n".join(lines)
@@ -136,10 +136,10 @@ def baseline_run(runs, choice: str = "auto"):
     point whose scheme tag equals ``choice`` (e.g. ``bf16``). None if there is none."""
     done = [r for r in runs if tracking.done(r)]
     if choice != "auto":
-        return next((r for r in done if r.data.tags.get("scheme") == choice), None)
+        return next((r for r in done if r.data.tags.get(point.SCHEME_TAG) == choice), None)
     with_bits = [r for r in done if "size/bits_per_weight" in r.data.metrics]
     return max(with_bits, key=lambda r: (r.data.metrics["size/bits_per_weight"],
-                                         r.data.tags.get("scheme") == "bf16", r.info.run_name), default=None)
+                                         r.data.tags.get(point.SCHEME_TAG) == "bf16", r.info.run_name), default=None)
 
 
 def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, float]:
@@ -165,7 +165,6 @@ DEFAULT_BUDGETS = (0.01, 0.05)
 OBJECTIVES = {"tpot": ("lat/tpot_ms_p50", 1.0, "the lowest decode TPOT P50", "ms/token"),
               "capacity": ("load/knee_rps", -1.0, "the highest capacity under the SLO (the load probe's knee)",
                            "req/s under the SLO")}
-BASELINE_TAG = "recovery.baseline"  # on the parent: the run name the sweep compared against
 
 
 def decision_metric(runs, choice: str = "auto") -> str:
@@ -194,7 +193,7 @@ def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -
             continue
         lo = decision.loss(metric, m, items.get(r.info.run_id, {}), b_metrics, b_items)
         if lo is not None:
-            out.append(Point(r.info.run_name, m[cost], lo.value, r.data.tags.get("emulated") == "true",
+            out.append(Point(r.info.run_name, m[cost], lo.value, r.data.tags.get(point.EMULATED_TAG) == "true",
                              lo.upper if lo.bounded else None))
     return out
 
@@ -279,12 +278,12 @@ def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
     runs, reused = tracking.sweep_runs(client, experiment_id, parent_id)
     runs += reused
     tags = client.get_run(parent_id).data.tags
-    base = next((r for r in runs if r.info.run_name == tags.get(BASELINE_TAG)), None) or baseline_run(runs)
+    base = next((r for r in runs if r.info.run_name == tags.get(point.BASELINE_TAG)), None) or baseline_run(runs)
     items = {r.info.run_id: tracking.load_items(client, tracking.origin(r)) for r in runs if tracking.done(r)}
     metric = decision_metric(runs, metric)
     by = objective(runs, by)
     text, recs = decide(runs, metric, budgets, base, items, by)
-    sweep = tags.get(tracking.SWEEP_TAG, "?")
+    sweep = tags.get(point.SWEEP_TAG, "?")
     paired_text = paired_table(runs, base, items) if base is not None else ""
     out = Path(out_dir or tempfile.mkdtemp(prefix="quantlab-report-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -309,23 +308,22 @@ def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
         for p in panels["size/weight_mb"]:  # the loss as a metric: the UI's charts plot it against latency
             tracking.log_metrics(client, by_name[p.name], {"decision/loss": p.loss, "decision/loss_upper": p.upper})
             tracking.set_tags(client, by_name[p.name], {"decision.metric": metric})
-        tracking.set_tags(client, parent_id, {"recommended.by": by})
+        tracking.set_tags(client, parent_id, {point.RECOMMENDED_BY_TAG: by})
         for b, rec in recs.items():
             if rec.point is not None:
-                tracking.set_tags(client, by_name[rec.point.name], {f"quantlab.recommended.{b:g}": "true"})
-                tracking.set_tags(client, parent_id, {f"recommended.{b:g}": rec.point.name,
-                                                      f"recommended.{b:g}.run_id": by_name[rec.point.name]})
+                name_tag, id_tag = point.recommended_tags(b)
+                tracking.set_tags(client, by_name[rec.point.name], {point.recommended_point_tag(b): "true"})
+                tracking.set_tags(client, parent_id, {name_tag: rec.point.name, id_tag: by_name[rec.point.name]})
     return body
 
 
 def _find_parent(client, experiment_id: str, sweep: str) -> str:
-    runs = client.search_runs([experiment_id], filter_string="tags.`quantlab.role` = 'sweep'",
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'",
                               order_by=["attributes.start_time DESC"], max_results=1000)
-    for r in runs:
-        if sweep in ("latest", r.info.run_id, r.data.tags.get(tracking.SWEEP_TAG)):
-            return r.info.run_id
-    names = sorted({r.data.tags.get(tracking.SWEEP_TAG, "?") for r in runs})
-    raise UserError(f"no sweep {sweep!r} in this store; sweeps: {', '.join(names) or 'none'} (or a parent run id)")
+    try:
+        return point.find_sweep([(r.info.run_id, dict(r.data.tags)) for r in runs], sweep)[0]
+    except LookupError as e:
+        raise UserError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

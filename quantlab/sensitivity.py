@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from quantlab.divergence import kl_per_token
 from quantlab.errors import UserError
 
 log = logging.getLogger("quantlab")
@@ -89,11 +90,6 @@ def _module_bytes(module: torch.nn.Module) -> int:
     return sum(tensor_bytes(t) for t in (*module.parameters(recurse=False), *persistent))
 
 
-def _kl(ref_logp: torch.Tensor, logits: torch.Tensor) -> float:
-    logq = torch.log_softmax(logits.double(), -1)
-    return float((ref_logp.exp() * (ref_logp - logq)).sum(-1).mean())
-
-
 def _dense(q: torch.nn.Module, lin: torch.nn.Linear) -> torch.nn.Linear:
     """An fp32 ``nn.Linear`` holding the weights ``q`` computes with."""
     dense = torch.nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
@@ -139,7 +135,8 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, candidates: list[str], dt
         for cand in table.candidates[1:]:
             q = quantize_linear(lin, cand, dtype)
             layers.replace(model, name, _dense(q, lin))
-            table.kl[name][cand] = _kl(ref, model(input_ids=ids, use_cache=False).logits[0])
+            logq = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].double(), -1)
+            table.kl[name][cand] = float(kl_per_token(ref, logq, logits=False).mean())
             table.bits[name][cand] = 8.0 * _module_bytes(q) / lin.weight.numel()
         layers.replace(model, name, lin)
         if (i + 1) % 10 == 0 or i + 1 == len(linears):
@@ -371,7 +368,7 @@ def run(model_name: str, candidates: list[str], corpus_name: str, tokens: int, c
     needs them (the times are this machine's: kept in the table, with the CPU
     they ran on), draw it, write a recipe per budget."""
     from quantlab import models
-    from quantlab.probes import corpus
+    from quantlab import corpus
     from quantlab.schemes.layers import DEFAULT_SKIP
 
     cfg = _model_config(model_name)

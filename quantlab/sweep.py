@@ -16,7 +16,7 @@ import time
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from quantlab import report, tracking
+from quantlab import point, report, tracking
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
 from quantlab.pipeline import PARENT_ENV
@@ -40,7 +40,7 @@ class SweepCallback(Callback):
             if config.hydra.sweeper.get("params") else {}
         params["sweep.overrides"] = " ".join(config.hydra.overrides.task) or "-"
         name = f"sweep:{sweep} {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        tags = {tracking.SWEEP_TAG: sweep, "quantlab.role": "sweep",
+        tags = {point.SWEEP_TAG: sweep, point.ROLE_TAG: point.ROLE_SWEEP,
                 "git_commit": tracking.git_commit(), **tracking.versions()}
         parent = tracking.start_run(client, exp_id, name, tags, params=params)
         os.environ[PARENT_ENV] = parent
@@ -56,8 +56,8 @@ class SweepCallback(Callback):
         _log_recovery(client, parent, runs, reused, config.get("recovery_baseline", "auto"))
         text = report.build(client, exp_id, parent)  # reads the runs again, recovery included
         print("\n" + text, flush=True)
-        failed = [r for r in runs if r.data.tags.get(tracking.OUTCOME_TAG) == "failed"]
-        counts = {o: sum(r.data.tags.get(tracking.OUTCOME_TAG) == o for r in runs)
+        failed = [r for r in runs if r.data.tags.get(point.OUTCOME_TAG) == "failed"]
+        counts = {o: sum(r.data.tags.get(point.OUTCOME_TAG) == o for r in runs)
                   for o in ("finished", "skipped", "failed")}
         counts["reused"] = len(reused)
         tracking.log_metrics(client, parent, {f"points_{k}": v for k, v in counts.items()})
@@ -75,9 +75,9 @@ def _log_recovery(client, parent: str, runs, reused, choice: str) -> None:
     if base is None:
         log.warning("no baseline point %r finished: recovery not computed", choice)
         return
-    tracking.set_tags(client, parent, {report.BASELINE_TAG: base.info.run_name})
+    tracking.set_tags(client, parent, {point.BASELINE_TAG: base.info.run_name})
     for r in runs:
-        if r.data.tags.get(tracking.OUTCOME_TAG) == "finished":
+        if r.data.tags.get(point.OUTCOME_TAG) == "finished":
             rec = report.recovery(r.data.metrics, base.data.metrics)
             if rec:
                 tracking.log_metrics(client, r.info.run_id, rec)

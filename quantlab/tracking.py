@@ -25,20 +25,14 @@ from mlflow.utils.time import get_current_time_millis
 
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
+from quantlab.point import (HASH_TAG, HOST_ID_TAG, HOST_TAG, OUTCOME_TAG, PARENT_TAG, PID_START_TAG, PID_TAG,
+                            REASON_TAG, REUSED_FROM_TAG, SWEEP_TAG, recommended_point_tag)
 
 log = logging.getLogger("quantlab")
 T = TypeVar("T")
 
-PARENT_TAG = "mlflow.parentRunId"
-SWEEP_TAG = "quantlab.sweep"
-OUTCOME_TAG = "quantlab.outcome"  # finished | skipped | failed
-REASON_TAG = "quantlab.reason"
-HASH_TAG = "point_hash"
-REUSED_FROM_TAG = "quantlab.reused_from"  # on a light child run: the run that measured it
 DONE = ("finished", "reused")  # outcomes whose metrics count
 ITEMS_ARTIFACT = "items.json"
-HOST_ID_TAG = "host.id"  # short hash of the host fingerprint (provenance.host)
-HOST_TAG, PID_TAG, PID_START_TAG = "quantlab.host", "quantlab.pid", "quantlab.pid_start"
 _BATCH = 100  # MLflow's log_batch limit on params per call
 _LOCKED = ("database is locked", "database table is locked")
 
@@ -265,7 +259,7 @@ def link_reused(client: MlflowClient, experiment_id: str, parent_id: str, earlie
     sweep's parent shows every point in the MLflow UI and its tag filter finds
     them all. Artifacts stay with the earlier run (:func:`origin`)."""
     own = ("mlflow.", PARENT_TAG, HASH_TAG, OUTCOME_TAG, REASON_TAG, SWEEP_TAG, HOST_TAG, PID_TAG, PID_START_TAG,
-           "quantlab.recommended.")
+           recommended_point_tag(0).rsplit(".", 1)[0] + ".")  # the sweep's picks stay with that sweep
     tags = {k: v for k, v in earlier.data.tags.items() if not k.startswith(own)}
     tags.update({SWEEP_TAG: sweep, OUTCOME_TAG: "reused", REUSED_FROM_TAG: earlier.info.run_id})
     run_id = start_run(client, experiment_id, earlier.info.run_name, tags, parent_id=parent_id,

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from quantlab.cli import CONF_DIR
-from quantlab.config import register_configs
+from quantlab.compose import register_configs
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"

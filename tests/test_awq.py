@@ -9,7 +9,8 @@ from quantlab import models
 from quantlab.config import ModelConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.hardware import cpu
-from quantlab.probes import corpus, fidelity
+from quantlab import corpus
+from quantlab.probes import fidelity
 from quantlab.schemes import awq, layers
 from quantlab.schemes.awq import AWQScheme
 from quantlab.schemes.int4 import Int4Scheme

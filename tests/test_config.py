@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 
 from quantlab.cli import GROUPS, presets
-from quantlab.config import (CPUTargetConfig, CUDATargetConfig, ModelConfig, NeuronTargetConfig, ProbeConfig, RunConfig)
+from quantlab.config import ModelConfig, ProbeConfig, RunConfig
+from quantlab.targets.cpu import CPUTargetConfig
+from quantlab.targets.cuda import CUDATargetConfig
+from quantlab.targets.neuron import NeuronTargetConfig
 from quantlab.schemes.base import KVScheme, WeightScheme
 from quantlab.targets.llamacpp import LlamaCppTargetConfig
 from quantlab.schemes.float import FloatScheme
@@ -100,7 +103,7 @@ def test_headline_sweep_holds_the_kv_point_and_accuracy_by_default():
 
     from hydra_plugins.quantlab_sweeper import with_points
     from quantlab.cli import CONF_DIR
-    from quantlab.config import register_configs
+    from quantlab.compose import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -113,3 +116,46 @@ def test_headline_sweep_holds_the_kv_point_and_accuracy_by_default():
     grid = [["scheme/weights=fp32", "probe=quick"], ["scheme/weights=int4-g64", "probe=quick"]]
     jobs = with_points(grid, ["scheme/weights=int4-g64 scheme/kv=int8", "scheme/weights=fp32"])
     assert jobs == [*grid, ["probe=quick", "scheme/weights=int4-g64", "scheme/kv=int8"]]  # fp32: already on the grid
+
+
+TARGETS = presets("target")
+
+
+@pytest.mark.parametrize("target", [*TARGETS, "fake"])
+def test_every_targets_point_round_trips_through_its_dict(target):
+    """config_dict and config_from_dict are inverses for every target's point,
+    also one whose config lives beside its target (llamacpp, once a KeyError at
+    export) and one registered from outside quantlab (the test engine's)."""
+    from quantlab.compose import config_dict, config_from_dict
+    from tests.fake_engine import FakeTargetConfig
+
+    cfg = compose_cfg([f"target={'cpu' if target == 'fake' else target}", "scheme/weights=int4-g64",
+                       "scheme/kv=int8"])
+    if target == "fake":
+        cfg.target = FakeTargetConfig()
+    back = config_from_dict(config_dict(cfg))
+    assert back == cfg and type(back.target) is type(cfg.target)
+    assert config_dict(back) == config_dict(cfg)
+
+
+def test_an_unknown_config_type_is_one_line():
+    from quantlab.compose import config_dict, config_from_dict
+
+    d = config_dict(compose_cfg([]))
+    d["target"]["type"] = "TPUTargetConfig"
+    with pytest.raises(ValueError, match="config type 'TPUTargetConfig' is unknown to this quantlab; known: .*"
+                                         "LlamaCppTargetConfig"):
+        config_from_dict(d)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("probe.load.arrival=burst", "unknown probe.load.arrival 'burst'; valid: poisson, constant"),
+    ("probe.load.policies=[continuous,fifo]", "unknown probe.load.policies 'fifo'; valid: continuous, dynamic"),
+    ("isolation=thread", "unknown isolation 'thread'; valid: none, process"),
+    ("target.compile_mode=turbo", "unknown target.compile_mode 'turbo'; valid: default, max-autotune"),
+])
+def test_string_choices_are_checked_in_one_place(override, match):
+    from quantlab.config import validate
+
+    with pytest.raises(ValueError, match=match):
+        validate(compose_cfg([override]))

@@ -8,7 +8,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from quantlab import models
-from quantlab.config import CPUTargetConfig, ModelConfig
+from quantlab.config import ModelConfig
+from quantlab.targets.cpu import CPUTargetConfig
 from quantlab.decode import Clock, decode_loop
 from quantlab.engines.pytorch import TorchEngine
 from tests.conftest import compose_cfg

@@ -13,7 +13,8 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file, save_file
 
-from quantlab import checkpoint, export
+from quantlab import models, point
+from quantlab.export import checkpoint, formats, roundtrip, run
 from quantlab.errors import UserError
 from quantlab.pipeline import run_point
 from tests.conftest import REPO, compose_cfg
@@ -57,7 +58,7 @@ layers:
 def test_export_reloads_with_same_greedy_text(store, scheme, fmt, tmp_path):
     client, ids, _ = store
     out = tmp_path / scheme
-    manifest = checkpoint.export_run(client, ids[scheme], out)
+    manifest = run.export_run(client, ids[scheme], out)
     assert manifest["format"] == fmt
     rt = manifest["round_trip"]
     assert rt["passed"] and rt["kl_mean"] < 1e-4
@@ -86,7 +87,7 @@ def test_mixed_export_has_a_group_per_candidate(store, tmp_path):
     point's own function (KL to the dense twin < 1e-4)."""
     client, ids, _ = store
     out = tmp_path / "mixed"
-    manifest = checkpoint.export_run(client, ids["mixed"], out)
+    manifest = run.export_run(client, ids["mixed"], out)
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == "mixed-precision"
     groups = {(g["format"], g["weights"]["num_bits"], g["weights"].get("block_structure") and
@@ -104,17 +105,18 @@ def test_mixed_export_has_a_group_per_candidate(store, tmp_path):
 
 def test_export_holds_the_same_integers(store, tmp_path):
     """The int8 checkpoint stores exactly the integers the point computed with."""
-    from quantlab.checkpoint import config_from_dict, rebuild
+    from quantlab.compose import config_from_dict
+    from quantlab.export.run import rebuild
     import yaml
 
     client, ids, d = store
     out = tmp_path / "int8"
-    checkpoint.export_run(client, ids["int8"], out)
+    run.export_run(client, ids["int8"], out)
     tensors = load_file(out / "model.safetensors")
     stored = tensors["model.layers.0.mlp.down_proj.weight"]
     assert stored.dtype == torch.int8
     cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int8"], "config.yaml", str(tmp_path))).read_text()))
-    model, _ = rebuild(cfg)
+    model = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
     assert torch.equal(stored, model.model.layers[0].mlp.down_proj.qweight)
 
 
@@ -125,7 +127,7 @@ def test_w8a8_reload_quantizes_its_activations(store, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     client, ids, _ = store
-    checkpoint.export_run(client, ids["fp8-w8a8"], tmp_path / "w8a8")
+    run.export_run(client, ids["fp8-w8a8"], tmp_path / "w8a8")
     calls = []
     real = ct_forward.forward_quantize
 
@@ -145,17 +147,18 @@ def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path)
     """Four bits a weight on disk (eight to an int32), and the very integers and
     zero points the point's kernel computes with."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from quantlab.checkpoint import config_from_dict, rebuild
+    from quantlab.compose import config_from_dict
+    from quantlab.export.run import rebuild
     import yaml
 
     client, ids, _ = store
     out = tmp_path / "int4"
-    checkpoint.export_run(client, ids["int4-g32"], out)
+    run.export_run(client, ids["int4-g32"], out)
     t = load_file(out / "model.safetensors")
     packed, zp = t["model.layers.0.mlp.down_proj.weight_packed"], t["model.layers.0.mlp.down_proj.weight_zero_point"]
     cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int4-g32"], "config.yaml",
                                                                          str(tmp_path))).read_text()))
-    model, _ = rebuild(cfg)
+    model = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
     q, scale, zero_point = model.model.layers[0].mlp.down_proj.int_weights()
     assert packed.dtype == torch.int32 and packed.numel() * 8 == q.numel()
     assert torch.equal(unpack_from_int32(packed, 4, q.shape).to(torch.int32), (q - 8).to(torch.int32))
@@ -166,10 +169,10 @@ def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path)
 
 def test_corrupted_tensor_fails_round_trip_and_writes_nothing(store, tmp_path, monkeypatch):
     client, ids, _ = store
-    real = checkpoint.write_checkpoint
+    real = checkpoint.write
 
-    def corrupt(model, tok, cfg, dest):
-        fmt = real(model, tok, cfg, dest)
+    def corrupt(model, tok, spec, dense, dest):
+        fmt = real(model, tok, spec, dense, dest)
         f = dest / "model.safetensors"
         t = load_file(f)
         for key in [k for k in t if k.endswith("weight_scale")]:  # a sign-flipped, inflated scale
@@ -177,9 +180,9 @@ def test_corrupted_tensor_fails_round_trip_and_writes_nothing(store, tmp_path, m
         save_file(t, f, metadata={"format": "pt"})
         return fmt
 
-    monkeypatch.setattr(checkpoint, "write_checkpoint", corrupt)
+    monkeypatch.setattr(checkpoint, "write", corrupt)
     with pytest.raises(UserError, match="round trip failed: reload vs the point.s dequantized weights: KL"):
-        checkpoint.export_run(client, ids["int4-g32"], tmp_path / "bad")
+        run.export_run(client, ids["int4-g32"], tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tmp-*"))
     assert client.get_run(ids["int4-g32"]).data.tags["export.round_trip"] == "failed"
 
@@ -192,7 +195,7 @@ def test_interrupted_export_leaves_no_half_directory(store, tmp_path, monkeypatc
 
     monkeypatch.setattr(checkpoint, "verify_in_fresh_process", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.export_run(client, ids["int8"], tmp_path / "x")
+        run.export_run(client, ids["int8"], tmp_path / "x")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -202,15 +205,15 @@ def test_refuses_to_overwrite_without_force(store, tmp_path):
     out.mkdir()
     (out / "mine.txt").write_text("precious")
     with pytest.raises(UserError, match="exists; pass --force"):
-        checkpoint.export_run(client, ids["int8"], out)
+        run.export_run(client, ids["int8"], out)
     assert (out / "mine.txt").read_text() == "precious"
-    checkpoint.export_run(client, ids["int8"], out, force=True)
+    run.export_run(client, ids["int8"], out, force=True)
     assert not (out / "mine.txt").exists() and (out / "quantlab.json").is_file()
 
 
 def test_registry_entry_created_with_metric_tags(store, tmp_path):
     client, ids, _ = store
-    checkpoint.export_run(client, ids["int4-g32"], tmp_path / "reg", register="quantlab-tiny")
+    run.export_run(client, ids["int4-g32"], tmp_path / "reg", register="quantlab-tiny")
     (mv,) = client.search_model_versions("name='quantlab-tiny'")
     assert mv.run_id == ids["int4-g32"] and mv.tags["scheme"] == "int4-g32"
     assert "fid/kl_mean" in mv.tags and mv.tags["format"] == "compressed-tensors/pack-quantized"
@@ -231,7 +234,7 @@ def test_bad_export_input_fails_in_one_line_within_two_seconds(store, tmp_path):
     uri = client.tracking_uri
     (tmp_path / "taken").mkdir()
     nf4 = client.get_run(ids["int8"])  # a point whose scheme has no checkpoint format, as nf4 records it
-    client.set_tag(nf4.info.run_id, export.exportable_tag("checkpoint"), "no: nf4 has no checkpoint representation")
+    client.set_tag(nf4.info.run_id, point.exportable_tag("checkpoint"), "no: nf4 has no checkpoint representation")
     try:
         cases = {
             ("--run", "0" * 32): f"no run '{'0' * 32}' in this store",
@@ -252,7 +255,7 @@ def test_bad_export_input_fails_in_one_line_within_two_seconds(store, tmp_path):
             assert seconds < 2.0, (args, seconds)
         assert not (tmp_path / "o").exists()
     finally:
-        client.set_tag(nf4.info.run_id, export.exportable_tag("checkpoint"), "compressed-tensors/int-quantized")
+        client.set_tag(nf4.info.run_id, point.exportable_tag("checkpoint"), "compressed-tensors/int-quantized")
 
 
 def test_points_record_what_they_export_as(store):
@@ -265,11 +268,11 @@ def test_points_record_what_they_export_as(store):
     assert tags["fp8-e4m3"]["exportable.gguf"].startswith("no: fp8-e4m3 has no GGUF type")
     from quantlab.schemes.fp8 import FP8Scheme
 
-    e5m2 = checkpoint.exportable_tags(FP8Scheme(format="e5m2"))["exportable.checkpoint"]
+    e5m2 = formats.exportable_tags(FP8Scheme(format="e5m2"))["exportable.checkpoint"]
     assert e5m2.startswith("no: compressed-tensors FP8 is E4M3 only")
     from quantlab.schemes.bnb4 import BnB4Scheme
 
-    nf4 = checkpoint.exportable_tags(BnB4Scheme())["exportable.checkpoint"]
+    nf4 = formats.exportable_tags(BnB4Scheme())["exportable.checkpoint"]
     assert nf4.startswith("no: nf4 checkpoints are not built yet")
 
 
@@ -278,7 +281,7 @@ def test_export_copies_into_artifacts_only_when_registering(store, tmp_path, mon
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    checkpoint.export_run(client, ids["int8"], tmp_path / "plain")
+    run.export_run(client, ids["int8"], tmp_path / "plain")
     assert not client.list_artifacts(ids["int8"], "export")
     assert list(scratch.iterdir()) == []  # no temp file left behind
 
@@ -317,27 +320,26 @@ def test_an_export_that_lost_its_quantization_fails_the_round_trip(store, tmp_pa
     point's dequantized weights, and nothing is written."""
     client, ids, _ = store
 
-    def float_instead(model, tok, cfg, dest):
-        float_model, _ = checkpoint.models.load(cfg.model, cfg.cache_dir)
-        float_model.to(torch.bfloat16).save_pretrained(dest, safe_serialization=True)
+    def float_instead(model, tok, spec, dense, dest):  # dense: the float model, before quantization
+        dense.to(torch.bfloat16).save_pretrained(dest, safe_serialization=True)
         tok.save_pretrained(dest)
         return "hf-bfloat16"
 
-    monkeypatch.setattr(checkpoint, "write_checkpoint", float_instead)
+    monkeypatch.setattr(checkpoint, "write", float_instead)
     # int4 (the tiny random model's int8 error is below the 1e-4 tolerance: there a
     # float reload is as faithful as any)
     with pytest.raises(UserError, match="round trip failed"):
-        checkpoint.export_run(client, ids["int4-g32"], tmp_path / "lost")
+        run.export_run(client, ids["int4-g32"], tmp_path / "lost")
     assert not (tmp_path / "lost").exists()
 
 
 def test_round_trip_verdict_needs_both_gates():
     ok = {"kl_mean": 1e-6, "max_abs_diff": 1e-3, "kl_from_float": 4e-3}
-    assert checkpoint.round_trip_verdict(ok, point_from_float=4.4e-3)["passed"]
+    assert roundtrip.round_trip_verdict(ok, point_from_float=4.4e-3)["passed"]
     # equal to the point within tolerance, but as close to float as a float reload would be
     lost = {**ok, "kl_from_float": 1e-5}
-    v = checkpoint.round_trip_verdict(lost, point_from_float=4.4e-3)
+    v = roundtrip.round_trip_verdict(lost, point_from_float=4.4e-3)
     assert not v["passed"] and "is the float model" in v["why"]
     far = {**ok, "kl_mean": 2e-3}
-    assert "dequantized weights" in checkpoint.round_trip_verdict(far, 4.4e-3)["why"]
-    assert checkpoint.round_trip_verdict({**ok, "kl_from_float": 0.0}, point_from_float=0.0)["passed"]  # float point
+    assert "dequantized weights" in roundtrip.round_trip_verdict(far, 4.4e-3)["why"]
+    assert roundtrip.round_trip_verdict({**ok, "kl_from_float": 0.0}, point_from_float=0.0)["passed"]  # float point

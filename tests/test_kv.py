@@ -12,7 +12,7 @@ from quantlab import models
 from quantlab.config import CacheProbeConfig, ModelConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import cache as cache_probe
-from quantlab.probes import corpus
+from quantlab import corpus
 from quantlab.schemes.kv import FP8KV, Int4KV, Int4Layer, Int8KV, Int8Layer, NoKV, cache_bytes, cache_factory
 
 

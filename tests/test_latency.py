@@ -7,7 +7,8 @@ import torch
 from quantlab import models
 from quantlab.config import LatencyProbeConfig, ModelConfig, TinyModelConfig
 from quantlab.engines.pytorch import TorchEngine
-from quantlab.probes import corpus, energy, latency, roofline, stages
+from quantlab import corpus
+from quantlab.probes import energy, latency, roofline, stages
 
 
 @pytest.fixture(scope="module")

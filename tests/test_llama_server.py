@@ -12,14 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantlab import gguf_export, models
+from quantlab import models
+from quantlab.export import gguf as gguf_export
 from quantlab.config import LoadProbeConfig, ModelConfig, TinyModelConfig
 from quantlab.errors import UserError
-from quantlab.probes import llama_server, load
+from quantlab.probes import load
+from quantlab.serving import llama_server, policies
+from quantlab.serving.requests import Limits
 from tests.conftest import REPO
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'quantlab[llamacpp]')")
-from quantlab.targets.llamacpp import LlamaCppEngine, LlamaCppTargetConfig  # noqa: E402
+from quantlab.engines.llamacpp import LlamaCppEngine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +49,7 @@ def engine(tmp_path_factory):
                                           tiny=TinyModelConfig(hidden_size=128, intermediate_size=256)))
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     gguf_export.write(model, models.byte_tokenizer(), path)
-    eng = LlamaCppEngine(path, LlamaCppTargetConfig(threads=2, n_ctx=256), "F16", model.config.vocab_size)
+    eng = LlamaCppEngine(path, "F16", model.config.vocab_size, n_ctx=256, threads=2)
     yield eng
     eng.close()
 
@@ -55,12 +58,12 @@ def engine(tmp_path_factory):
 @pytest.mark.network
 def test_llama_server_slots_serve_concurrent_requests_with_the_bindings_tokens(server_bin, engine, monkeypatch):
     monkeypatch.setenv("QUANTLAB_LLAMA_SERVER", server_bin)
-    assert load.cannot("continuous", engine) == ""
+    assert policies.cannot("continuous", engine) == ""
     prompts = [torch.arange(4 + 3 * i) + 10 * i + 3 for i in range(4)]
     policy = engine.scheduler(4, 48)
     try:
         reqs, stopped = load.run_rate(policy, prompts, 12, 1000.0, 0.008, "constant",
-                                      load.Limits(max_backlog=50, drain_s=60), 0)
+                                      Limits(max_backlog=50, drain_s=60), 0)
     finally:
         policy.close()
     assert policy.server.proc.poll() is not None  # closed
@@ -82,11 +85,11 @@ def test_llama_server_slots_serve_concurrent_requests_with_the_bindings_tokens(s
 def test_llamacpp_engine_without_a_server_says_how_to_get_one(engine, monkeypatch):
     monkeypatch.setenv("QUANTLAB_LLAMA_SERVER", "/nonexistent/llama-server")
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    why = load.cannot("continuous", engine)
+    why = policies.cannot("continuous", engine)
     assert "QUANTLAB_LLAMA_SERVER" in why and "build_llama_server.sh" in why
-    assert "one sequence" in load.cannot("dynamic", engine) and load.cannot("passthrough", engine) == ""
+    assert "one sequence" in policies.cannot("dynamic", engine) and policies.cannot("passthrough", engine) == ""
     with pytest.raises(UserError, match="no llama-server: set QUANTLAB_LLAMA_SERVER"):
-        load.make_policy("continuous", engine, LoadProbeConfig())
+        policies.make_policy("continuous", engine, LoadProbeConfig())
 
 
 def test_a_server_that_cannot_start_fails_with_its_last_lines(tmp_path, monkeypatch):

@@ -13,7 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlflow.tracking import MlflowClient
 
-from quantlab import gguf_export, models
+from quantlab import models
+from quantlab.engines.llamacpp import LlamaCppEngine
+from quantlab.export import gguf as gguf_export
+from quantlab.export import roundtrip
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.hardware import cpu
 from quantlab.schemes.qlinear import rtn_int4, rtn_int8
@@ -56,6 +59,15 @@ def test_int8_blocks_decode_to_the_points_weights(n, blocks, seed):
     assert ((got - point).abs() <= scale[:, None] * 127 * 2**-11 + 1e-7).all()
 
 
+def _gguf_check(path, model, ids, kind):
+    """The GGUF round trip on an engine built here, as the exporter does."""
+    engine = LlamaCppEngine(path, "F16", model.config.vocab_size, n_ctx=max(64, ids.shape[1] + 8))
+    try:
+        return roundtrip.gguf_check(path, engine, model, ids, kind)
+    finally:
+        engine.close()
+
+
 def _point(scheme: str, extra: list[str] | None = None):
     cfg = compose_cfg([*TINY, f"scheme/weights={scheme}", *(extra or [])])
     model, tok = models.load(cfg.model, cfg.cache_dir)
@@ -70,7 +82,7 @@ def test_llamacpp_reproduces_the_exported_point(tmp_path, scheme, kind):
     model, tok = _point(scheme)
     counts = gguf_export.write(model, tok, tmp_path / "m.gguf")
     assert kind in counts and counts["F32"] == 2 * 2 + 1  # norms stay F32
-    check = gguf_export.round_trip(tmp_path / "m.gguf", model, torch.randint(0, 256, (1, 48)), kind)
+    check = _gguf_check(tmp_path / "m.gguf", model, torch.randint(0, 256, (1, 48)), kind)
     assert check["passed"], check
     assert check["kl_mean"] < 1e-3 and check["top1_agree"] > 0.9
 
@@ -80,7 +92,7 @@ def test_round_trip_fails_when_the_quantization_is_lost(tmp_path):
     model, tok = _point("int4-g32")
     dense, _ = models.load(compose_cfg(TINY).model, compose_cfg(TINY).cache_dir)
     gguf_export.write(dense, tok, tmp_path / "float.gguf")
-    check = gguf_export.round_trip(tmp_path / "float.gguf", model, torch.randint(0, 256, (1, 48)), "Q4_1")
+    check = _gguf_check(tmp_path / "float.gguf", model, torch.randint(0, 256, (1, 48)), "Q4_1")
     assert not check["passed"] and "Q4_1" not in check["tensor_types"]
 
 
@@ -93,6 +105,23 @@ def _sweep(tmp_path, extra):
     runs = {r.info.run_name: r for r in c.search_runs([c.get_experiment_by_name("quantlab").experiment_id])
             if r.data.tags.get("quantlab.role") != "sweep"}
     return proc, runs
+
+
+def test_a_llamacpp_point_exports_in_both_formats(tmp_path):
+    """A point measured on target=llamacpp (the natural CPU workflow) exports as
+    a checkpoint and as GGUF; its logged config names a target whose config
+    lives beside the target (once a KeyError: 'LlamaCppTargetConfig')."""
+    uri = f"sqlite:///{tmp_path}/m.db"
+    proc, runs = _sweep(tmp_path, ["scheme/weights=int8", "probe.latency.enabled=false"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_id = runs["int8@llamacpp"].info.run_id
+    base = [sys.executable, "-m", "quantlab.export", "--tracking-uri", uri, "--run", run_id]
+    for fmt, out in (("checkpoint", tmp_path / "ckpt"), ("gguf", tmp_path / "p.gguf")):
+        done = subprocess.run([*base, "--format", fmt, "--out", str(out)], capture_output=True, text=True, cwd=REPO,
+                              timeout=600)
+        assert done.returncode == 0, (fmt, done.stderr[-2000:])
+    assert json.loads((tmp_path / "ckpt" / "quantlab.json").read_text())["round_trip"]["passed"]
+    assert json.loads((tmp_path / "p.gguf.quantlab.json").read_text())["format"] == "gguf/Q8_0"
 
 
 def test_llamacpp_sweep_end_to_end(tmp_path):
@@ -145,7 +174,7 @@ def test_missing_llama_cpp_is_a_skip_with_the_install_line(monkeypatch):
     from quantlab.schemes.kv import NoKV
     from quantlab.targets import llamacpp
 
-    monkeypatch.setattr(llamacpp, "_llama_cpp", lambda: None)
+    monkeypatch.setattr(llamacpp, "llama_cpp", lambda: None)
     cfg = compose_cfg(["target=llamacpp", "scheme/weights=int8"])
     verdict = targets.get(cfg.target).supports(cfg.scheme.weights, NoKV())
     assert verdict.status == "unsupported" and "pip install 'quantlab[llamacpp]'" in verdict.reason
@@ -174,10 +203,10 @@ def test_gguf_export_cli(tmp_path):
 
 GPTQ_SCRIPT = """
 import json, sys, torch
-from quantlab.targets.llamacpp import LlamaCppEngine, LlamaCppTargetConfig
+from quantlab.engines.llamacpp import LlamaCppEngine
 from quantlab.probes import perplexity
 wins = torch.load(sys.argv[2])
-eng = LlamaCppEngine(sys.argv[1], LlamaCppTargetConfig(n_ctx=512, threads=2), "F16", int(sys.argv[3]))
+eng = LlamaCppEngine(sys.argv[1], "F16", int(sys.argv[3]), n_ctx=512, threads=2)
 print(json.dumps(perplexity.token_perplexity(eng, wins)))
 """
 
@@ -212,7 +241,7 @@ def test_extra_buffers_off_only_where_amx_crashes_llama_cpp():
     quantized decode with the extra buffer types on (seen in CI): off there, on elsewhere."""
     import llama_cpp.llama_cpp as low
 
-    from quantlab.targets.llamacpp import _model_params, extra_buffers_ok
+    from quantlab.engines.llamacpp import _model_params, extra_buffers_ok
 
     assert not extra_buffers_ok(frozenset({"avx512f", "amx_int8", "amx_tile"}))
     assert extra_buffers_ok(frozenset({"avx512f", "avx512_vnni"}))

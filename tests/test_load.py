@@ -19,6 +19,9 @@ from quantlab.decode import Decoded
 from quantlab.engines.base import Engine
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import kv_capacity, load
+from quantlab.serving import policies
+from quantlab.serving.requests import Limits, Request
+from quantlab.serving.transformers_cb import ContinuousPolicy
 from quantlab.schemes.kv import Int8KV, NoKV, cache_factory
 from tests.conftest import run_cli
 
@@ -74,12 +77,12 @@ class StepEngine:
 
 
 PROMPTS = [torch.arange(8) + i for i in range(4)]
-LIMITS = load.Limits(max_backlog=100, drain_s=10)
+LIMITS = Limits(max_backlog=100, drain_s=10)
 
 
 def test_passthrough_serves_one_at_a_time_in_order():
     eng = StepEngine()
-    reqs, stopped = load.run_rate(load.BatchPolicy(eng, 1, 0), PROMPTS, 4, 1000.0, 0.005, "constant", LIMITS, 0)
+    reqs, stopped = load.run_rate(policies.BatchPolicy(eng, 1, 0), PROMPTS, 4, 1000.0, 0.005, "constant", LIMITS, 0)
     assert stopped == "" and all(r.done for r in reqs) and set(eng.batches) == {1}
     starts = [r.start_s for r in reqs]
     assert starts == sorted(starts)
@@ -93,7 +96,7 @@ def test_passthrough_serves_one_at_a_time_in_order():
 
 def test_dynamic_batcher_groups_requests_up_to_max_batch():
     eng = StepEngine()
-    reqs, stopped = load.run_rate(load.BatchPolicy(eng, 4, 50.0), PROMPTS, 3, 1000.0, 0.010, "constant", LIMITS, 0)
+    reqs, stopped = load.run_rate(policies.BatchPolicy(eng, 4, 50.0), PROMPTS, 3, 1000.0, 0.010, "constant", LIMITS, 0)
     assert stopped == "" and len(reqs) == 10 and all(r.done for r in reqs)
     assert max(eng.batches) == 4 and sum(eng.batches) == 10
     assert {r.batch for r in reqs} <= set(eng.batches)
@@ -102,8 +105,8 @@ def test_dynamic_batcher_groups_requests_up_to_max_batch():
 def test_saturated_rate_ends_with_its_reason_not_a_hang():
     eng = StepEngine(prefill_ms=50, step_ms=10)
     t = time.perf_counter()
-    reqs, stopped = load.run_rate(load.BatchPolicy(eng, 1, 0), PROMPTS, 4, 200.0, 2.0, "poisson",
-                                  load.Limits(max_backlog=5, drain_s=5), 0)
+    reqs, stopped = load.run_rate(policies.BatchPolicy(eng, 1, 0), PROMPTS, 4, 200.0, 2.0, "poisson",
+                                  Limits(max_backlog=5, drain_s=5), 0)
     assert time.perf_counter() - t < 3.0
     assert stopped.startswith("saturated: ") and "max_backlog=5" in stopped
     row = load.summarize(reqs, 200.0, stopped, 0, 0.0, 0.0, None, None)
@@ -111,7 +114,7 @@ def test_saturated_rate_ends_with_its_reason_not_a_hang():
 
 
 def _req(rid, sent, first, step, n, start=None):
-    r = load.Request(rid, sent, torch.zeros(1), n, sent_s=sent, start_s=start if start is not None else sent)
+    r = Request(rid, sent, torch.zeros(1), n, sent_s=sent, start_s=start if start is not None else sent)
     r.tokens_s = [first + i * step for i in range(n)]
     r.batch = 1
     return r
@@ -163,7 +166,7 @@ def tiny():
 def test_continuous_policy_serves_through_transformers_and_restores_the_model(tiny):
     model, _ = tiny
     attn = model.config._attn_implementation
-    policy = load.ContinuousPolicy(model, max_batch=4, max_tokens=16)
+    policy = ContinuousPolicy(model, max_batch=4, max_tokens=16)
     try:
         reqs, stopped = load.run_rate(policy, PROMPTS, 6, 1000.0, 0.008, "constant", LIMITS, 0)
     finally:
@@ -177,18 +180,18 @@ def test_continuous_policy_serves_through_transformers_and_restores_the_model(ti
     for r in reqs[:3]:
         ref = torch.cat(engine.decode(r.prompt[None], 6).chosen, dim=1)[0].tolist()
         assert r.tokens == ref
-    dyn, _ = load.run_rate(load.BatchPolicy(engine, 4, 20.0), PROMPTS, 6, 1000.0, 0.004, "constant", LIMITS, 0)
+    dyn, _ = load.run_rate(policies.BatchPolicy(engine, 4, 20.0), PROMPTS, 6, 1000.0, 0.004, "constant", LIMITS, 0)
     assert [r.tokens for r in dyn] == [r.tokens for r in reqs[:4]]
 
 
 def test_engines_say_which_policies_they_serve(tiny):
     model, _ = tiny
-    assert load.cannot("continuous", TorchEngine(model)) == ""
-    assert "quantized KV cache" in load.cannot("continuous", TorchEngine(model, cache_factory=cache_factory(Int8KV())))
-    assert "paged cache" in load.cannot("continuous", TorchEngine(model, static=True))
-    from quantlab.targets.llamacpp import LlamaCppEngine
+    assert policies.cannot("continuous", TorchEngine(model)) == ""
+    assert "quantized KV cache" in policies.cannot("continuous", TorchEngine(model, cache_factory=cache_factory(Int8KV())))
+    assert "paged cache" in policies.cannot("continuous", TorchEngine(model, static=True))
+    from quantlab.engines.llamacpp import LlamaCppEngine
     eng = LlamaCppEngine.__new__(LlamaCppEngine)
-    assert "one sequence" in load.cannot("dynamic", eng) and load.cannot("passthrough", eng) == ""
+    assert "one sequence" in policies.cannot("dynamic", eng) and policies.cannot("passthrough", eng) == ""
 
 
 def test_kv_capacity_is_found_by_allocating(tiny):
@@ -292,7 +295,7 @@ def test_output_lengths_drawn_in_range_and_ragged_prompts_batched(tiny):
     model, _ = tiny
     engine = TorchEngine(model)
     prompts = [torch.arange(3 + 2 * i) + 5 for i in range(4)]
-    reqs, stopped = load.run_rate(load.BatchPolicy(engine, 4, 30.0), prompts, 7, 1000.0, 0.008, "constant",
+    reqs, stopped = load.run_rate(policies.BatchPolicy(engine, 4, 30.0), prompts, 7, 1000.0, 0.008, "constant",
                                   LIMITS, 3, n_new_min=2)
     assert stopped == "" and all(r.done for r in reqs)
     assert all(2 <= r.n_new <= 7 and len(r.tokens) == r.n_new for r in reqs)
@@ -305,7 +308,7 @@ def test_output_lengths_drawn_in_range_and_ragged_prompts_batched(tiny):
 
 
 def test_paragraph_prompts_keep_their_own_lengths(tmp_path):
-    from quantlab.probes import corpus
+    from quantlab import corpus
     d = tmp_path / "wikitext-2-raw"
     d.mkdir()
     words = ["alpha beta gamma delta " * k for k in (1, 3, 8, 30)]

@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from quantlab import models, sensitivity
 from quantlab.errors import UserError
 from quantlab.pipeline import run_point
-from quantlab.probes import corpus
+from quantlab import corpus
 from quantlab.schemes.mixed import MixedScheme
 from tests.conftest import compose_cfg
 

@@ -13,7 +13,8 @@ from quantlab import models
 from quantlab.config import LatencyProbeConfig, ModelConfig
 from quantlab.decode import Clock
 from quantlab.engines.pytorch import TorchEngine
-from quantlab.probes import corpus, fidelity, latency, size
+from quantlab import corpus
+from quantlab.probes import fidelity, latency, size
 from quantlab.stats import summarize
 
 

@@ -44,7 +44,7 @@ def test_int4_g64_exports_four_bit_on_disk(tmp_path):
     """SmolLM2: the int4-g64 checkpoint is at most 0.45 of the bf16 one's bytes
     (packed int4 + a bf16 scale and an int8 zero point per 64 weights; the
     tied embedding stays bf16), and both reload through the round trip."""
-    from quantlab import checkpoint
+    from quantlab.export import run as export
     from quantlab.pipeline import run_point
     from tests.conftest import compose_cfg
 
@@ -54,7 +54,7 @@ def test_int4_g64_exports_four_bit_on_disk(tmp_path):
         cfg = compose_cfg(["model=smollm2-135m", "probe=smoke", "probe.latency.enabled=false",
                            f"scheme/weights={scheme}", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"])
         run_id = run_point(cfg).run_id
-        manifest = checkpoint.export_run(MlflowClient(uri), run_id, tmp_path / scheme)
+        manifest = export.export_run(MlflowClient(uri), run_id, tmp_path / scheme)
         assert manifest["round_trip"]["passed"] and manifest["round_trip"]["greedy_match"], manifest["round_trip"]
         sizes[scheme] = sum(f.stat().st_size for f in (tmp_path / scheme).iterdir())
     assert sizes["int4-g64"] <= 0.45 * sizes["bf16"], sizes

@@ -183,7 +183,8 @@ def test_gptq_beats_rtn_on_correlated_inputs():
 
 def test_gptq_on_tiny_model_beats_rtn_in_kl(tiny, tmp_path):
     """End to end on the tiny model with the built-in calibration text."""
-    from quantlab.probes import corpus, fidelity
+    from quantlab import corpus
+    from quantlab.probes import fidelity
 
     model, tok = tiny
     ids = corpus.token_ids(tok, "builtin", 256)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from quantlab import models
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.hardware import cpu
-from quantlab.probes import corpus, fidelity
+from quantlab import corpus
+from quantlab.probes import fidelity
 from quantlab.schemes import layers
 from quantlab.schemes.qlinear import Int8DynLinear
 from quantlab.schemes.registry import ApplyContext, weights_handler
@@ -151,7 +152,7 @@ def test_rotated_down_proj_runs_on_the_integer_kernel(tmp_path):
 
 
 def test_rotation_is_checked_and_named_and_not_exported(tmp_path):
-    from quantlab import checkpoint
+    from quantlab.export import formats
 
     assert W8A8Scheme(grid=20, rotate_down=128).short_name() == "w8a8-sq-auto-had128"
     assert W8A8Scheme(smooth=False, rotate_down=64).short_name() == "w8a8-had64"
@@ -159,5 +160,5 @@ def test_rotation_is_checked_and_named_and_not_exported(tmp_path):
         W8A8Scheme(rotate_down=96)
     with pytest.raises(ValueError, match="rotate_down 256 does not divide model.layers.0.mlp.down_proj's 128 input"):
         _apply(_outlier_model(), W8A8Scheme(smooth=False, rotate_down=256), tmp_path)
-    tag = checkpoint.exportable_tags(W8A8Scheme(rotate_down=128))["exportable.checkpoint"]
+    tag = formats.exportable_tags(W8A8Scheme(rotate_down=128))["exportable.checkpoint"]
     assert tag.startswith("no: w8a8-sq-had128: down_proj computes in a Hadamard-rotated basis"), tag

@@ -159,10 +159,11 @@ def test_headline_sweep_without_data_dir_exits_0_with_every_family(tmp_path):
 
 
 def test_params_of_other_model_sources_are_not_logged():
-    from quantlab.pipeline import run_params
+    from quantlab.pipeline import identify, run_params
     from tests.conftest import compose_cfg
 
-    params = run_params(compose_cfg(["model=smollm2-135m", "scheme/weights=gptq-g64"]))
+    cfg = compose_cfg(["model=smollm2-135m", "scheme/weights=gptq-g64"])
+    params = run_params(cfg, *identify(cfg))
     assert not any(k.startswith("model.tiny.") for k in params)
     assert params["scheme"] == "gptq-g64" and params["scheme.weights.group_size"] == "64"
 

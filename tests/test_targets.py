@@ -8,8 +8,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from quantlab import capabilities, targets
-from quantlab.config import NeuronTargetConfig
+from quantlab import capabilities, point, targets
+from quantlab.targets.neuron import NeuronTargetConfig
 from quantlab.errors import UserError
 from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.fp8 import FP8Scheme
@@ -99,7 +99,8 @@ def test_static_cache_decodes_like_the_dynamic_cache():
     from transformers import DynamicCache, StaticCache
 
     from quantlab import models
-    from quantlab.config import CPUTargetConfig, ModelConfig
+    from quantlab.config import ModelConfig
+    from quantlab.targets.cpu import CPUTargetConfig
 
     model, _ = models.load(ModelConfig(name="tiny", source="tiny"), "/tmp")
     target = targets.get(CPUTargetConfig(static_cache=64))
@@ -154,7 +155,7 @@ def test_nf4_under_compile_is_skipped_with_the_reason(tmp_path):
     (dict(static_cache=-1), "static_cache must be >= 0"),
 ])
 def test_bad_cpu_target_options_are_one_line(cfg, match):
-    from quantlab.config import CPUTargetConfig
+    from quantlab.targets.cpu import CPUTargetConfig
 
     with pytest.raises(UserError, match=match):
         targets.get(CPUTargetConfig(**cfg))
@@ -163,7 +164,7 @@ def test_bad_cpu_target_options_are_one_line(cfg, match):
 def test_cuda_graph_options():
     """CUDA graphs need fixed shapes: reduce-overhead without a static cache is refused
     (checked without a GPU); the presets name their runs apart."""
-    from quantlab.config import CUDATargetConfig
+    from quantlab.targets.cuda import CUDATargetConfig
     from tests.conftest import compose_cfg
 
     with pytest.raises(UserError, match="captures CUDA graphs.*set target.static_cache"):
@@ -171,7 +172,7 @@ def test_cuda_graph_options():
     graphs = compose_cfg(["target=cuda-graphs"]).target
     assert (graphs.compile, graphs.compile_mode, graphs.static_cache) == (True, "reduce-overhead", 1024)
     assert targets.get(graphs).decode_cache(None).keywords == {"max_cache_len": 1024}
-    assert [targets.label(compose_cfg([f"target={t}"]).target) for t in ("cuda", "cuda-compile", "cuda-graphs")] \
+    assert [point.target_label(compose_cfg([f"target={t}"]).target) for t in ("cuda", "cuda-compile", "cuda-graphs")] \
         == ["cuda", "cuda+compile", "cuda+graphs+static"]
 
 
@@ -335,7 +336,8 @@ def test_static_cache_is_allocated_once_outside_the_graph_and_reset_per_request(
     when the compiled prefill allocated it), kept per batch size, and reset so a
     second request decodes what the first did and what a dynamic cache decodes."""
     from quantlab import models
-    from quantlab.config import CPUTargetConfig, ModelConfig
+    from quantlab.config import ModelConfig
+    from quantlab.targets.cpu import CPUTargetConfig
     from quantlab.engines.pytorch import TorchEngine
     from transformers import DynamicCache
 

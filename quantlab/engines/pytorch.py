@@ -55,7 +55,7 @@ class TorchEngine(Engine):
 
     def scheduler(self, max_batch: int, max_tokens: int):
         """transformers' continuous batching over this model (paged KV cache)."""
-        from quantlab.probes.load import ContinuousPolicy
+        from quantlab.serving.transformers_cb import ContinuousPolicy
 
         return ContinuousPolicy(self.model, max_batch, max_tokens)
 

@@ -17,6 +17,7 @@ import torch
 
 from quantlab import models
 from quantlab.config import CacheProbeConfig
+from quantlab.divergence import kl_per_token
 from quantlab.probes.fidelity import logprobs
 
 
@@ -49,7 +50,7 @@ def probe(engine, config, windows: torch.Tensor, cfg: CacheProbeConfig, compute_
         target = row[p:]  # lp[j] predicts token p + j
         nll -= lp.gather(-1, target[:, None]).sum().item()
         count += target.numel()
-        kls.append(_kl(logprobs(engine, row[None])[p - 1:-1], lp))
+        kls.append(kl_per_token(logprobs(engine, row[None])[p - 1:-1], lp, logits=False).numpy())
     ctx = windows.shape[1] - 1
     c = config.get_text_config(decoder=True)
     dense = 2 * c.num_hidden_layers * c.num_key_value_heads * models.head_dim(c) * ctx * compute_bytes
@@ -64,7 +65,3 @@ def probe(engine, config, windows: torch.Tensor, cfg: CacheProbeConfig, compute_
         "kv/ctx_tokens": float(ctx),
     }
 
-
-def _kl(ref: torch.Tensor, q: torch.Tensor) -> np.ndarray:
-    r, q = ref.double(), q.double()
-    return (r.exp() * (r - q)).sum(-1).clamp_min(0).numpy()

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from quantlab.divergence import kl_per_token
 from quantlab.uncertainty import mean_stderr
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor | 
     if ref_logp.shape != logp.shape:
         raise ValueError(f"reference {tuple(ref_logp.shape)} vs point {tuple(logp.shape)}")
     ref64, p64 = ref_logp.double(), logp.double()
-    kl = (ref64.exp() * (ref64 - p64)).sum(-1).clamp_min(0.0).numpy()
+    kl = kl_per_token(ref64, p64, logits=False).numpy()
     same = (ref_logp.argmax(-1) == logp.argmax(-1)).double().numpy()
     out = {
         "fid/kl_mean": float(kl.mean()),

@@ -11,11 +11,13 @@ backlog passed ``max_backlog`` (the server fell behind for good), or the
 drain took longer than ``drain_s``. Requests still open then count as not
 completed, so achieved < offered shows the saturation.
 
-Times are ``time.perf_counter()`` seconds from the rate's start.
+Times are ``time.perf_counter()`` seconds from the rate's start. What a
+server does with the requests (requests, policies, schedulers) is
+:mod:`quantlab.serving`; this module makes the arrivals, runs the rates,
+summarises them and finds the knee.
 """
 from __future__ import annotations
 
-import abc
 import contextlib
 import math
 import queue
@@ -23,33 +25,14 @@ import random
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
-from quantlab.decode import Clock
-
-
-@dataclass
-class Request:
-    """One request and what happened to it. ``tokens_s``: when each generated
-    token was ready (the first ends the TTFT)."""
-
-    rid: int
-    due_s: float  # scheduled arrival
-    prompt: torch.Tensor  # [P] token ids
-    n_new: int
-    sent_s: float = math.nan  # when the generator submitted it
-    start_s: float = math.nan  # when the server took it off the queue
-    tokens_s: list[float] = field(default_factory=list)
-    batch: int = 0  # how many sequences it ran beside (itself included)
-    tokens: list[int] = field(default_factory=list)  # what it generated (greedy)
-
-    @property
-    def done(self) -> bool:
-        return len(self.tokens_s) >= self.n_new
+from quantlab.config import LoadProbeConfig, check_choice, choices
+from quantlab.serving.policies import Policy, cannot, make_policy
+from quantlab.serving.requests import Limits, Request
 
 
 def schedule(rate: float, duration_s: float, arrival: str, rng: random.Random) -> list[float]:
@@ -59,8 +42,7 @@ def schedule(rate: float, duration_s: float, arrival: str, rng: random.Random) -
         raise ValueError(f"rate {rate}: must be > 0 requests/s")
     if arrival == "constant":
         return [i / rate for i in range(max(1, math.ceil(rate * duration_s - 1e-9)))]
-    if arrival != "poisson":
-        raise ValueError(f"arrival={arrival!r}; valid: poisson, constant")
+    check_choice("arrival", arrival, choices(LoadProbeConfig, "arrival"))
     out, t = [], 0.0
     while t < duration_s or not out:
         out.append(t)
@@ -120,167 +102,6 @@ def generator_lateness_ms(rate: float, n: int = 100) -> np.ndarray:
     g.start()
     g.join()
     return np.array([(r.sent_s - r.due_s) * 1e3 for r in reqs])
-
-
-@dataclass
-class Limits:
-    """When a rate gives up: more than ``max_backlog`` requests waiting, or
-    requests still open ``drain_s`` after the last arrival."""
-
-    max_backlog: int
-    drain_s: float
-
-    def why_stop(self, now_s: float, waiting: int, open_: int, last_due_s: float) -> str:
-        """'' while the rate goes on; else why it ends: ``waiting`` requests
-        queued beyond the running batch, ``open_`` not finished yet."""
-        if waiting > self.max_backlog:
-            return (f"saturated: {waiting} requests waiting at {now_s:.1f} s (more than max_backlog="
-                    f"{self.max_backlog}); the server fell behind the offered rate")
-        if now_s > last_due_s + self.drain_s:
-            return f"did not drain: {open_} requests open {self.drain_s:g} s after the last arrival"
-        return ""
-
-
-class Policy(abc.ABC):
-    """A server: takes the requests a :class:`Generator` submits and fills in
-    their ``start_s``, ``tokens_s`` and ``batch``. ``steps`` counts the model
-    forwards it ran (for achieved bandwidth)."""
-
-    def __init__(self):
-        self.steps = 0
-
-    @abc.abstractmethod
-    def serve(self, requests: list[Request], t0: float, last_due_s: float, limits: Limits,
-              start: Callable[[Callable[[Request], None]], None]) -> str:
-        """Serve until every request is done; ``start(submit)`` starts the
-        generator with this policy's submit function. Returns '' or the reason
-        the rate ended early."""
-
-    def close(self) -> None:
-        """Release what the policy holds (a scheduler thread)."""
-
-
-class BatchPolicy(Policy):
-    """quantlab's reference dynamic batcher (not an engine's scheduler): when a
-    request waits, collect up to ``max_batch`` of them, waiting at most
-    ``max_wait_ms`` after the first, and decode them as one static batch to the
-    longest request's length (nobody joins a running batch; prompts of
-    different lengths are left-padded by the engine). ``max_batch=1``
-    is pass-through: one request at a time, in arrival order."""
-
-    def __init__(self, engine, max_batch: int, max_wait_ms: float):
-        super().__init__()
-        self.engine, self.max_batch, self.max_wait_s = engine, max_batch, max_wait_ms / 1e3
-
-    def serve(self, requests, t0, last_due_s, limits, start) -> str:
-        inbox: queue.Queue = queue.Queue()
-        start(inbox.put)
-        clock = self.engine.clock()
-        left = len(requests)
-        while left:
-            if stopped := limits.why_stop(time.perf_counter() - t0, inbox.qsize(), left, last_due_s):
-                return stopped
-            try:
-                first = inbox.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            batch = [first]
-            while len(batch) < self.max_batch:
-                wait = first.sent_s + self.max_wait_s - (time.perf_counter() - t0)
-                try:
-                    batch.append(inbox.get(timeout=wait) if wait > 0 else inbox.get_nowait())
-                except queue.Empty:
-                    break
-            self._run(batch, t0, clock)
-            left -= len(batch)
-        return ""
-
-    def _run(self, batch: list[Request], t0: float, clock: Clock) -> None:
-        began = time.perf_counter() - t0
-        n_new = max(r.n_new for r in batch)
-        out = self.engine.decode_batch([r.prompt for r in batch], n_new, clock)
-        self.steps += n_new
-        times = began + np.cumsum([out.prefill_ms, *out.step_ms]) / 1e3
-        chosen = (torch.cat([torch.as_tensor(c).reshape(len(batch), -1)[:, :1] for c in out.chosen], dim=1)
-                  if out.chosen else None)
-        for i, r in enumerate(batch):
-            r.start_s, r.batch = began, len(batch)
-            r.tokens_s = [float(t) for t in times[:r.n_new]]
-            r.tokens = [] if chosen is None else chosen[i, :r.n_new].tolist()
-
-
-
-def count_overlaps(requests: list[Request]) -> None:
-    """For a scheduler that does not report its batches: each finished
-    request's ``batch`` = the finished requests in flight when its first
-    token came out (itself included)."""
-    for r in requests:
-        if r.done:
-            r.batch = sum(1 for q in requests if q.done and q.start_s <= r.tokens_s[0] <= q.tokens_s[-1])
-
-
-class ContinuousPolicy(Policy):
-    """transformers' continuous batching (``ContinuousBatchingManager``, paged
-    KV cache, FIFO scheduler) over the point's own model and quantized layers:
-    requests join and leave the running batch at every step. The manager's
-    per-token timestamps (``perf_counter``) are the token times; ``batch`` is
-    how many requests were in flight when a request's first token came out."""
-
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_tokens: int, page_size: int = 32):
-        super().__init__()
-        from transformers import GenerationConfig
-        from transformers.generation import ContinuousBatchingConfig
-
-        blocks = max_batch * math.ceil(max_tokens / page_size) + max_batch
-        cb = ContinuousBatchingConfig(max_requests_per_batch=max_batch, num_blocks=blocks, page_size=page_size,
-                                      max_batch_tokens=max(512, max_tokens))
-        gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max_tokens)
-        self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-        self.manager.start()
-        self._hook = model.register_forward_pre_hook(self._count)
-        self._round = 0
-
-    def _count(self, *_):
-        self.steps += 1
-
-    def serve(self, requests, t0, last_due_s, limits, start) -> str:
-        self._round += 1
-        key = {f"{self._round}-{r.rid}": r for r in requests}
-
-        def submit(r: Request) -> None:
-            self.manager.add_request(r.prompt.tolist(), request_id=f"{self._round}-{r.rid}",
-                                     max_new_tokens=r.n_new, record_timestamps=True)
-
-        start(submit)
-        left, stopped = len(requests), ""
-        while left:
-            in_system = sum(1 for r in requests if not math.isnan(r.sent_s)) - (len(requests) - left)
-            waiting = in_system - self.manager.continuous_batching_config.max_requests_per_batch
-            if stopped := limits.why_stop(time.perf_counter() - t0, waiting, left, last_due_s):
-                break
-            out = self.manager.get_result(timeout=0.05)
-            if out is None or out.request_id not in key:
-                continue
-            if out.error:
-                raise RuntimeError(f"continuous batching failed request {out.request_id}: {out.error}")
-            r = key[out.request_id]
-            r.start_s = out.lifespan[0] - t0
-            r.tokens_s = [t - t0 for t in out.timestamps or []]
-            r.tokens = list(out.generated_tokens)
-            left -= 1
-        if stopped:
-            for rid, r in key.items():
-                if not r.done and not math.isnan(r.sent_s):
-                    self.manager.cancel_request(rid)
-        count_overlaps(requests)
-        return stopped
-
-    def close(self) -> None:
-        """Stop the manager's thread (it restores the model's attention)."""
-        self._hook.remove()
-        self.manager.stop(block=True, hard_stop=True)
-        self.manager.destroy()
-
 
 def percentiles(prefix: str, values) -> dict[str, float]:
     a = np.asarray(list(values), dtype=np.float64)
@@ -369,27 +190,6 @@ def run_rate(policy: Policy, prompts: list[torch.Tensor], n_new: int, rate: floa
             g.stop()
             g.join()
     return requests, stopped
-
-
-POLICIES = ("continuous", "dynamic", "passthrough")
-NEEDS = {"continuous": "continuous", "dynamic": "batch", "passthrough": ""}
-
-
-def make_policy(name: str, engine, cfg) -> Policy:
-    """The policy ``name`` over ``engine`` (``cfg``: :class:`LoadProbeConfig`)."""
-    if name == "continuous":
-        return engine.scheduler(cfg.max_batch, cfg.prompt_tokens + cfg.new_tokens)
-    if name == "dynamic":
-        return BatchPolicy(engine, cfg.max_batch, cfg.max_wait_ms)
-    if name == "passthrough":
-        return BatchPolicy(engine, 1, 0.0)
-    raise ValueError(f"probe.load.policies: unknown policy {name!r}; valid: {', '.join(POLICIES)}")
-
-
-def cannot(name: str, engine) -> str:
-    """Why ``engine`` cannot serve policy ``name`` ('' when it can)."""
-    return engine.cannot(NEEDS[name]) if NEEDS.get(name) else ""
-
 
 def measure(engine, prompts: list[torch.Tensor], cfg, bytes_per_step: float, peak_bytes_per_s: float,
             seed: int, progress: Callable[[str], None] = lambda _: None
@@ -492,3 +292,4 @@ def read_csv(text: str) -> list[dict]:
         out.append({k: (v if k in ("policy", "stopped") else float(v) if v not in ("", None) else math.nan)
                     for k, v in r.items()})
     return out
+

@@ -16,6 +16,10 @@ class _Scheme:
     def to_dict(self) -> dict[str, Any]:
         return {"type": type(self).__name__, **dataclasses.asdict(self)}
 
+    def calibration_set(self) -> str | None:
+        """The ``calibration/`` set applying this scheme reads, or None."""
+        return getattr(self, "calibration", None)
+
 
 @dataclass
 class WeightScheme(_Scheme):

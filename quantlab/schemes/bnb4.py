@@ -67,4 +67,11 @@ def checkpoint(cfg: BnB4Scheme) -> Mapping:
                           "serialization through transformers would be the route)")
 
 
-register_weights("bnb4", BnB4Scheme, support, apply, checkpoint=checkpoint, gguf=gguf)
+def compile_blocker(cfg: BnB4Scheme, device: str) -> str:
+    if device != "cpu":
+        return ""
+    return ("bitsandbytes 4-bit under torch.compile on CPU: the compiled graph expects the logical weight shape "
+            "(192x288) and gets the packed one (55296x1); run nf4/fp4 eager (target.compile=false)")
+
+
+register_weights("bnb4", BnB4Scheme, support, apply, compile_blocker, checkpoint=checkpoint, gguf=gguf)

@@ -79,7 +79,7 @@ def checkpoint(cfg: FP8Scheme) -> Mapping:
     compressed-tensors' FP8 is E4M3 only."""
     if cfg.format != "e4m3":
         return Mapping(reason=f"compressed-tensors FP8 is E4M3 only; {cfg.short_name()} has no checkpoint format")
-    spec = {"format": "float-quantized",
+    spec = {"format": "float-quantized", "dtype": cfg.compute_dtype,
             "args": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}
     if cfg.activations == "dynamic":
         spec["input_activations"] = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",

@@ -71,7 +71,7 @@ def checkpoint(cfg) -> Mapping:
         args.update(strategy="group", group_size=cfg.group_size)
     else:
         args.update(strategy="block", block_structure=[1, cfg.group_size])
-    return Mapping({"format": "pack-quantized", "args": args})
+    return Mapping({"format": "pack-quantized", "args": args, "dtype": cfg.compute_dtype})
 
 
 def gguf(cfg) -> Mapping:

@@ -48,7 +48,7 @@ def checkpoint(cfg: Int8Scheme) -> Mapping:
     scales in the compute dtype (where the point keeps them: exact)."""
     return Mapping({"format": "int-quantized",
                     "args": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
-                             "scale_dtype": cfg.compute_dtype}})
+                             "scale_dtype": cfg.compute_dtype}, "dtype": cfg.compute_dtype})
 
 
 def neuron(cfg: Int8Scheme) -> Mapping:

@@ -153,7 +153,8 @@ def checkpoint(cfg: MixedScheme) -> Mapping:
                                                 compute_dtype=cfg.compute_dtype))
         candidates[c] = m.spec
     return Mapping({"format": "mixed-precision", "candidates": candidates, "layers": dict(cfg.layers),
-                    "default": cfg.default, "scale_dtype": cfg.compute_dtype})
+                    "default": cfg.default, "scale_dtype": cfg.compute_dtype,
+                    "dtype": cfg.compute_dtype})
 
 
 def no_gguf(cfg: MixedScheme) -> Mapping:

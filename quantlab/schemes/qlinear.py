@@ -256,3 +256,19 @@ class Int8DynLinear(nn.Module):
     def int_weights(self) -> tuple[torch.Tensor, torch.Tensor, None]:
         """``(q [N, K] in -127..127, scale [N, 1], None)``: symmetric, ``w = q * scale``."""
         return self.qweight_t.T.float(), self.scale.float()[:, None], None
+
+
+# The modules a checkpoint stores quantized (export writes their integers).
+QUANTIZED = (Int4Linear, Int8Linear, Int8DynLinear, FP8Linear)
+
+
+def dequantized(mod) -> torch.Tensor:
+    """The fp32 weight a quantized linear stands for, from its own integers
+    (``(q - zero_point) * scale`` per group; FP8: value * scale)."""
+    if isinstance(mod, FP8Linear):
+        return mod.dequantize()
+    q, scale, zp = mod.int_weights()
+    n, k = q.shape
+    groups = scale.shape[1]
+    zp_full = torch.zeros_like(scale) if zp is None else zp
+    return ((q.reshape(n, groups, k // groups) - zp_full[..., None]) * scale[..., None]).reshape(n, k)

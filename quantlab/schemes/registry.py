@@ -11,17 +11,19 @@ A handler is two functions:
 Plus, optionally, how other formats and runtimes represent the scheme
 (``formats``: ``"checkpoint"`` for export, ``"neuron"``, ``"gguf"``), each a
 function ``cfg -> Mapping``; export and targets ask ``handler.mapping(name, cfg)``
-instead of testing scheme types.
+(and ``handler.cannot_compile(cfg, device)``) instead of testing scheme types
+or reading scheme fields: no code outside ``schemes/`` does either.
 """
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
-import torch
+if TYPE_CHECKING:  # annotations only: this module stays importable without torch (export's command line)
+    import torch
 
-from quantlab.hardware import Hardware
+    from quantlab.hardware import Hardware
 
 _MODULES = (
     "quantlab.schemes.float",
@@ -88,6 +90,12 @@ class Handler:
     support: Callable[[Any, Hardware], Support]
     apply: Callable[[torch.nn.Module, Any, ApplyContext], Applied]
     formats: dict[str, Callable[[Any], Mapping]] = field(default_factory=dict)
+    # (cfg, device) -> '' or why torch.compile cannot run the scheme's kernels on that device
+    compile_blocker: Callable[[Any, str], str] | None = None
+
+    def cannot_compile(self, cfg: Any, device: str) -> str:
+        """'' when torch.compile runs this scheme on ``device`` (``cpu``, ``cuda``), else why not."""
+        return self.compile_blocker(cfg, device) if self.compile_blocker else ""
 
     def mapping(self, fmt: str, cfg: Any) -> Mapping:
         """``cfg`` in format ``fmt``; a scheme that registered no such mapping says so."""
@@ -100,9 +108,10 @@ _WEIGHTS: dict[type, Handler] = {}
 _KV: dict[type, Handler] = {}
 
 
-def register_weights(schema: str, config_type: type, support, apply, **formats) -> None:
-    """``formats``: keyword per format name (``checkpoint=``, ``neuron=``, ``gguf=``)."""
-    _WEIGHTS[config_type] = Handler(schema, config_type, support, apply, formats)
+def register_weights(schema: str, config_type: type, support, apply, compile_blocker=None, **formats) -> None:
+    """``formats``: keyword per format name (``checkpoint=``, ``neuron=``, ``gguf=``);
+    ``compile_blocker(cfg, device)``: why torch.compile cannot run it there ('' when it can)."""
+    _WEIGHTS[config_type] = Handler(schema, config_type, support, apply, formats, compile_blocker)
 
 
 def register_kv(schema: str, config_type: type, support, apply, **formats) -> None:

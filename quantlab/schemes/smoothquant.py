@@ -189,7 +189,7 @@ def checkpoint(cfg: W8A8Scheme) -> Mapping:
     if cfg.rotate_down:
         return Mapping(reason=f"{cfg.short_name()}: down_proj computes in a Hadamard-rotated basis that "
                               "int-quantized checkpoints cannot express (export without rotate_down)")
-    return Mapping({"format": "int-quantized",
+    return Mapping({"format": "int-quantized", "dtype": cfg.compute_dtype,
                     "args": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
                              "scale_dtype": cfg.compute_dtype},
                     "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",

@@ -44,16 +44,3 @@ def get(cfg: Any):
         known = ", ".join(sorted(t.__name__ for t in _TARGETS))
         raise TypeError(f"no target for {type(cfg).__name__}; known: {known}") from None
     return cls(cfg)
-
-
-def label(cfg: Any) -> str:
-    """The target part of a run name: ``cpu``, ``cpu+compile``, ``cuda+graphs+static``.
-    A pure function of the config (no validation), so a bad option still names its run."""
-    parts = [cfg.name]
-    mode = getattr(cfg, "compile_mode", None)
-    if mode is not None and cfg.compile:
-        parts.append("graphs" if mode == "reduce-overhead" else "compile" if mode == "default"
-                     else f"compile-{mode}")
-    if getattr(cfg, "static_cache", 0):
-        parts.append("static")
-    return "+".join(parts)

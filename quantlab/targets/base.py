@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 from transformers import StaticCache
 
+from quantlab.config import check_choice, choices
 from quantlab.engines.base import Engine
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
@@ -79,15 +80,12 @@ class Target(abc.ABC):
 class LocalTarget(Target):
     """cpu and cuda: eager or ``torch.compile``, optionally a ``StaticCache``."""
 
-    COMPILE_MODES: tuple[str, ...] = ("default",)
-    # scheme config type -> why torch.compile cannot run its kernels on this target
-    NOT_COMPILABLE: dict[type, str] = {}
-
     def __init__(self, cfg: Any):
         super().__init__(cfg)
-        if cfg.compile_mode not in self.COMPILE_MODES:
-            raise UserError(f"{self.name}: unknown compile_mode {cfg.compile_mode!r}; "
-                            f"valid: {', '.join(self.COMPILE_MODES)}")
+        try:
+            check_choice("compile_mode", cfg.compile_mode, choices(type(cfg), "compile_mode"))
+        except ValueError as e:
+            raise UserError(f"{self.name}: {e}") from None
         if cfg.static_cache < 0:
             raise UserError(f"{self.name}: static_cache must be >= 0 (0: dynamic cache), got {cfg.static_cache}")
 
@@ -108,12 +106,11 @@ class LocalTarget(Target):
 
     def supports(self, weights: Any, kv: Any) -> Support:
         verdict = super().supports(weights, kv)
-        from quantlab.schemes.kv import NoKV
-
-        if verdict.runnable and self.cfg.static_cache and not isinstance(kv, NoKV):
+        if verdict.runnable and self.cfg.static_cache and kv.short_name():  # '' is the unquantized cache
             return Support("unsupported", "static_cache holds bf16/fp16 tensors: no quantized KV scheme")
-        if verdict.runnable and self.cfg.compile and type(weights) in self.NOT_COMPILABLE:
-            return Support("unsupported", self.NOT_COMPILABLE[type(weights)])
+        blocker = weights_handler(weights).cannot_compile(weights, self.device.type) if self.cfg.compile else ""
+        if verdict.runnable and blocker:
+            return Support("unsupported", blocker)
         return verdict
 
     def decode_cache(self, factory):

@@ -3,24 +3,33 @@ optional static KV cache."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
 
 import torch
 
 from quantlab import hardware
-from quantlab.config import CPUTargetConfig
-from quantlab.schemes.bnb4 import BnB4Scheme
+from quantlab.config import TargetConfig
 from quantlab.targets import register
 from quantlab.targets.base import LocalTarget
+
+
+@dataclass
+class CPUTargetConfig(TargetConfig):
+    """``compile``: torch.compile (inductor). ``compile_mode``: torch.compile's
+    mode. ``static_cache``: > 0 decodes into a preallocated ``StaticCache`` of
+    that many tokens (fixed shapes: no recompiles, and what CUDA graphs need)."""
+
+    name: str = "cpu"
+    threads: Optional[int] = field(default=None, metadata={"min": 1})  # None: leave torch's default (all cores)
+    compile: bool = False
+    compile_mode: str = field(default="default", metadata={"choices": ("default", "max-autotune-no-cudagraphs")})
+    static_cache: int = 0
 
 
 class CPUTarget(LocalTarget):
     name = "cpu"
     cfg: CPUTargetConfig
-    COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-    NOT_COMPILABLE = {BnB4Scheme: "bitsandbytes 4-bit under torch.compile on CPU: the compiled graph expects "
-                                  "the logical weight shape (192x288) and gets the packed one (55296x1); "
-                                  "run nf4/fp4 eager (target.compile=false)"}
 
     def hardware(self):
         return hardware.cpu()

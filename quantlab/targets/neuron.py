@@ -13,12 +13,13 @@ import json
 import select
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from quantlab.config import NeuronTargetConfig
+from quantlab.config import TargetConfig
 from quantlab.decode import Decoded, greedy
 from quantlab.engines.base import Engine
 from quantlab.errors import UserError
@@ -28,6 +29,21 @@ from quantlab.targets import register
 from quantlab.targets.base import Target
 
 WORKER = "quantlab.targets.neuron_worker"
+
+
+@dataclass
+class NeuronTargetConfig(TargetConfig):
+    """AWS Inferentia2/Trainium via optimum-neuron in its own interpreter."""
+
+    name: str = "neuron"
+    python: str = "python3"  # the Neuron virtualenv's interpreter
+    batch_size: int = field(default=1, metadata={"min": 1})
+    sequence_length: int = field(default=2048, metadata={"min": 1})
+    num_cores: int = field(default=2, metadata={"min": 1})  # tensor-parallel degree
+    compile_cache: str = "~/.cache/quantlab/neuron"
+    compile: bool = True
+    timeout_s: float = field(default=3600.0, metadata={"above": 0})
+
 DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -44,7 +60,9 @@ def weight_support(weights: Any) -> Support:
 def compile_dtype(weights: Any) -> str:
     """The torch dtype name the Neuron compiler casts a point to (bf16 or fp16)."""
     m = weights_handler(weights).mapping("neuron", weights)
-    dtype = m.spec["dtype"] if m.ok else getattr(weights, "dtype", None)
+    if not m.ok:
+        raise UserError(f"neuron: {m.reason}")
+    dtype = m.spec["dtype"]
     if dtype not in DTYPES:
         raise UserError(f"neuron: dtype {dtype} not compilable; valid: {', '.join(DTYPES)}")
     return dtype
@@ -226,9 +244,7 @@ class NeuronTarget(Target):
     def supports(self, weights: Any, kv: Any) -> Support:
         if self.hardware() is None:
             return Support("unsupported", self.missing_reason())
-        from quantlab.schemes.kv import NoKV
-
-        if not isinstance(kv, NoKV):
+        if kv.short_name():  # '' is the unquantized cache
             return Support("unsupported", "quantized KV caches are not exposed by optimum-neuron")
         return weight_support(weights)
 

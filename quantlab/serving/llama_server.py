@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 from quantlab.errors import UserError
-from quantlab.probes.load import Policy, Request, count_overlaps
+from quantlab.serving.policies import Policy
+from quantlab.serving.requests import Request, count_overlaps
 
 BUILD = "scripts/build_llama_server.sh"
 

@@ -9,7 +9,7 @@ recommendation for the budget) and whether the point's scheme has the format,
 with the standard library only where the store is a local SQLite file, so that
 bad input fails in one line within a second or two, before torch, MLflow or the
 model load. The work itself (rebuild, write, round trip) is
-``quantlab.checkpoint``.
+:mod:`quantlab.export.run`.
 """
 from __future__ import annotations
 
@@ -21,15 +21,9 @@ from pathlib import Path
 from typing import Protocol
 
 from quantlab.errors import UserError
-
-FORMATS = ("checkpoint", "gguf")
-SWEEP_TAG, ROLE_TAG, REUSED_FROM_TAG = "quantlab.sweep", "quantlab.role", "quantlab.reused_from"
-
-
-def exportable_tag(fmt: str) -> str:
-    """The tag a point carries for ``fmt``: the format it exports as
-    (``compressed-tensors/pack-quantized``, ``gguf/Q4_1``...) or ``no: <why>``."""
-    return f"exportable.{fmt}"
+from quantlab.export.formats import FORMATS
+from quantlab.point import (REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SCHEME_TAG, exportable_tag, find_sweep,
+                            recommended_budgets, recommended_tags)
 
 
 class Store(Protocol):
@@ -63,8 +57,8 @@ class SqliteStore:
     def sweeps(self) -> list[tuple[str, dict[str, str]]]:
         ids = [r[0] for r in self.db.execute(
             "SELECT r.run_uuid FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid WHERE r.experiment_id = ? "
-            "AND r.lifecycle_stage = 'active' AND t.key = ? AND t.value = 'sweep' ORDER BY r.start_time DESC",
-            (self.experiment_id, ROLE_TAG))]
+            "AND r.lifecycle_stage = 'active' AND t.key = ? AND t.value = ? ORDER BY r.start_time DESC",
+            (self.experiment_id, ROLE_TAG, ROLE_SWEEP))]
         return [(i, self.tags(i) or {}) for i in ids]
 
 
@@ -83,7 +77,7 @@ class MlflowStore:
             return None
 
     def sweeps(self) -> list[tuple[str, dict[str, str]]]:
-        runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{ROLE_TAG}` = 'sweep'",
+        runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{ROLE_TAG}` = '{ROLE_SWEEP}'",
                                        order_by=["attributes.start_time DESC"], max_results=1000)
         return [(r.info.run_id, dict(r.data.tags)) for r in runs]
 
@@ -119,22 +113,18 @@ def resolve(store: Store, run: str | None, sweep: str | None, budget: float, fmt
         tags = store.tags(run_id) or tags
     verdict = tags.get(exportable_tag(fmt), "")
     if verdict.startswith("no: "):
-        raise UserError(f"{fmt} export of {tags.get('scheme', run_id)} is not supported ({verdict[4:]})")
+        raise UserError(f"{fmt} export of {tags.get(SCHEME_TAG, run_id)} is not supported ({verdict[4:]})")
     return run_id
 
 
 def _recommended(store: Store, sweep: str, budget: float) -> str:
-    sweeps = store.sweeps()
-    for run_id, tags in sweeps:
-        if sweep in ("latest", run_id, tags.get(SWEEP_TAG)):
-            break
-    else:
-        names = sorted({t.get(SWEEP_TAG, "?") for _, t in sweeps})
-        raise UserError(f"no sweep {sweep!r} in this store; sweeps: {', '.join(names) or 'none'} (or a parent run id)")
-    chosen = tags.get(f"recommended.{budget:g}.run_id")
+    try:
+        _, tags = find_sweep(store.sweeps(), sweep)
+    except LookupError as e:
+        raise UserError(str(e)) from None
+    chosen = tags.get(recommended_tags(budget)[1])
     if not chosen:
-        budgets = sorted(k.split(".", 1)[1].removesuffix(".run_id") for k in tags
-                         if k.startswith("recommended.") and k.endswith(".run_id"))
+        budgets = recommended_budgets(tags)
         raise UserError(f"sweep {sweep!r} has no recommendation for budget {budget:g}; "
                         f"budgets with one: {', '.join(budgets) or 'none'} "
                         f"(python -m quantlab.report --sweep {sweep} --budgets {budget:g} makes one)")
@@ -165,15 +155,16 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{out} exists; pass --force to replace it")
         run_id = resolve(open_store(args.tracking_uri, args.experiment), args.run, args.sweep, args.budget,
                          args.format)
-        from quantlab import checkpoint, tracking
+        from quantlab import tracking
         from quantlab.config import TrackingConfig
+        from quantlab.export import run
 
         client, _ = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
                                                     artifact_root=None))
         if args.format == "gguf":
-            checkpoint.export_gguf(client, run_id, out, args.force)
+            run.export_gguf(client, run_id, out, args.force)
         else:
-            checkpoint.export_run(client, run_id, out, args.force, args.register)
+            run.export_run(client, run_id, out, args.force, args.register)
     except UserError as e:
         print(f"quantlab.export: {e}", file=sys.stderr)
         return 2

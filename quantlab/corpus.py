@@ -30,7 +30,7 @@ def text(name: str, data_dir: str | None) -> str:
     """
     name = resolve(name, data_dir)
     if name == "builtin":
-        return resources.files("quantlab.probes").joinpath("builtin_text.txt").read_text()
+        return resources.files("quantlab").joinpath("builtin_text.txt").read_text()
     if name == "wikitext2":
         if not data_dir:
             raise UserError("corpus wikitext2 needs data_dir (or QUANTLAB_DATA_DIR)")

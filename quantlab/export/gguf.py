@@ -260,35 +260,3 @@ def content_key(model: torch.nn.Module, extra: str = "") -> str:
         h.update(name.encode())
         h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:24]
-
-
-# Mean KL(point || llama.cpp) over the check tokens. Measured on SmolLM2 (128
-# tokens of the built-in text): bf16 9.1e-4, int8/Q8_0 3.2e-3, int4-g64/Q4_1
-# 3.8e-3, int4-g32-sym/Q4_0 4.5e-3. The floor is llama.cpp's own arithmetic: its
-# quantized dot products quantize the activations to 8 bits (Q8_0/Q8_K). The gate
-# sits 2x above the largest floor; the file's tensor types are checked apart
-# (a file whose weights lost their quantization fails there, whatever the KL).
-KL_TOLERANCE = 1e-2
-
-
-def round_trip(path: Path, model: torch.nn.Module, ids: torch.Tensor, want_type: str) -> dict:
-    """llama.cpp's logits of ``ids`` from ``path`` against the in-memory point."""
-    import gguf
-
-    from quantlab.engines.pytorch import TorchEngine
-    from quantlab.targets.llamacpp import LlamaCppEngine, LlamaCppTargetConfig
-
-    types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) > 1}
-    ref = torch.log_softmax(TorchEngine(model).logits(ids)[0].double(), -1)
-    engine = LlamaCppEngine(path, LlamaCppTargetConfig(n_ctx=max(64, ids.shape[1] + 8)), "F16",
-                            model.config.vocab_size)
-    try:
-        got = torch.log_softmax(engine.logits(ids)[0].double(), -1)
-    finally:
-        engine.close()
-    kl = (ref.exp() * (ref - got)).sum(-1).clamp_min(0)
-    out = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "tolerance_kl_mean": KL_TOLERANCE,
-           "top1_agree": float((ref.argmax(-1) == got.argmax(-1)).double().mean()),
-           "tensor_types": sorted(types), "expected_type": want_type}
-    out["passed"] = out["kl_mean"] <= KL_TOLERANCE and want_type in types
-    return out

@@ -1,0 +1,75 @@
+"""Every config type in one place: Hydra's ConfigStore, and a :class:`RunConfig`
+to and from the plain dict a run logs (``config.yaml``).
+
+:mod:`quantlab.config` holds the schemas and imports nothing else of quantlab;
+the polymorphic slots (weight scheme, KV scheme, target) are filled by types
+that live beside their scheme or target, so the code that knows all of them
+is here, above both registries.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from quantlab import targets
+from quantlab.config import ModelConfig, ProbeConfig, RunConfig, SchemeConfig, TrackingConfig
+from quantlab.schemes import registry
+
+_PLAIN = ("model", "probe", "tracking")  # dataclass slots: their fields alone
+_POLY = ("scheme", "target")  # polymorphic slots: their type name under "type"
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    for name, node in registry.weight_schemas().items():
+        cs.store(group="scheme/weights", name=f"_{name}", node=node)
+    for name, node in registry.kv_schemas().items():
+        cs.store(group="scheme/kv", name=f"_{name}", node=node)
+    for node in targets.config_types():
+        cs.store(group="target", name=f"_{node.name}", node=node)
+    cs.store(group="model", name="_model", node=ModelConfig)
+    cs.store(group="probe", name="_probe", node=ProbeConfig)
+    cs.store(group="tracking", name="_tracking", node=TrackingConfig)
+
+
+def config_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain-dict form of the config; polymorphic slots carry their type name.
+    :func:`config_from_dict` is its inverse for every registered scheme and target."""
+    d = dataclasses.asdict(cfg)
+    d["scheme"] = {"weights": cfg.scheme.weights.to_dict(), "kv": cfg.scheme.kv.to_dict()}
+    d["target"] = {"type": type(cfg.target).__name__, **dataclasses.asdict(cfg.target)}
+    return d
+
+
+def config_types() -> dict[str, type]:
+    """Type name -> config dataclass of every scheme and target."""
+    return {t.__name__: t for t in (*registry.weight_schemas().values(), *registry.kv_schemas().values(),
+                                    *targets.config_types())}
+
+
+def config_from_dict(d: dict[str, Any]) -> RunConfig:
+    """Inverse of :func:`config_dict`. An unknown type name (a config logged by
+    a quantlab that had a target or scheme this one lacks) is one ValueError
+    naming it and the known ones."""
+    types = config_types()
+
+    def poly(node: dict):
+        node = dict(node)
+        name = node.pop("type")
+        if name not in types:
+            raise ValueError(f"config type {name!r} is unknown to this quantlab; known: {', '.join(sorted(types))}")
+        return types[name](**node)
+
+    def typed(cls, node: dict):
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+
+    rest = {k: v for k, v in d.items() if k not in _PLAIN + _POLY}
+    return RunConfig(model=typed(ModelConfig, d["model"]),
+                     scheme=SchemeConfig(weights=poly(d["scheme"]["weights"]), kv=poly(d["scheme"]["kv"])),
+                     target=poly(d["target"]), probe=typed(ProbeConfig, d["probe"]),
+                     tracking=typed(TrackingConfig, d["tracking"]), **rest)

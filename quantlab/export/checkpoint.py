@@ -1,0 +1,116 @@
+"""The compressed-tensors (or plain safetensors) writer: a rebuilt point as a
+checkpoint directory that transformers and vLLM load.
+
+* float schemes: plain safetensors in the scheme's dtype;
+* int8 / int4 RTN / GPTQ / AWQ / FP8 / W8A8 / mixed: compressed-tensors: int8
+  per channel as ``int-quantized`` (W8A8 adds dynamic per-token int8 input
+  activations), int4 packed eight to an int32 as ``pack-quantized``
+  (asymmetric groups as ``block [1, g]`` with int8 zero points, see
+  ``schemes.int4.checkpoint``), FP8 as ``float-quantized``, mixed recipes as
+  ``mixed-precision`` (one config group per candidate).
+
+The integers written are the point's own (compressed-tensors re-derives them
+exactly from the fp32 dequantized weights and the point's scales).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+
+from quantlab.export.formats import format_name
+from quantlab.schemes.qlinear import QUANTIZED, FP8Linear, dequantized
+
+log = logging.getLogger("quantlab")
+
+
+def _ct_config(model, spec: dict):
+    """compressed-tensors QuantizationConfig (the scheme's ``checkpoint`` mapping)
+    over the quantized modules of ``model``. A ``mixed-precision`` mapping
+    (``candidates``, ``layers``, ``default``) gives one config group per
+    candidate, each with its own format; every other mapping one group."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    def scheme(one: dict, targets: list[str], own_format: bool):
+        acts = one.get("input_activations")
+        return QuantizationScheme(targets=targets, weights=QuantizationArgs(**one["args"]),
+                                  input_activations=QuantizationArgs(**acts) if acts else None,
+                                  format=one["format"] if own_format else None)
+
+    names = sorted({n for n, m in model.named_modules() if isinstance(m, QUANTIZED)})
+    if "candidates" not in spec:
+        return QuantizationConfig(config_groups={"group_0": scheme(spec, names, False)}, format=spec["format"],
+                                  quantization_status="frozen")
+    by_candidate: dict[str, list[str]] = {}
+    for n in names:
+        by_candidate.setdefault(spec["layers"].get(n, spec["default"]), []).append(n)
+    groups = {f"group_{i}": scheme(spec["candidates"][c], targets, True)
+              for i, (c, targets) in enumerate(sorted(by_candidate.items()))}
+    return QuantizationConfig(config_groups=groups, format=spec["format"], quantization_status="frozen")
+
+
+def write(model, tok, spec: dict, dense, dest: Path) -> str:
+    """Write ``model`` (a rebuilt point) to ``dest`` as the scheme's checkpoint
+    mapping ``spec`` says; returns the format name. ``dense``: a float (fp32)
+    copy of the point's model before quantization, consumed here (the
+    compressor fills and packs it)."""
+    if spec["format"] == "hf":
+        model.save_pretrained(dest, safe_serialization=True)
+        tok.save_pretrained(dest)
+        return format_name("checkpoint", spec)
+    fmt = spec["format"]
+    qcfg = _ct_config(model, spec)
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import apply_quantization_config
+
+    dtype = getattr(torch, spec["dtype"])
+    # Compress in fp32 so that compressed-tensors re-derives exactly our integers
+    # (w = (q - zp) * s is exact in fp32, not in bf16); cast afterwards.
+    dense.load_state_dict({k: v.float() for k, v in model.state_dict().items() if k in dense.state_dict()},
+                          strict=False)  # non-quantized parameters exactly as the point holds them
+    apply_quantization_config(dense, qcfg)
+    for name, mod in model.named_modules():
+        if not isinstance(mod, QUANTIZED):
+            continue
+        target = dense.get_submodule(name)
+        if isinstance(mod, FP8Linear):
+            target.weight.data = mod.dequantize().to(target.weight.dtype)
+            target.weight_scale.data = mod.scale[:, None].to(target.weight_scale.dtype)
+            continue
+        q, scale, zp = mod.int_weights()
+        target.weight.data = dequantized(mod).to(target.weight.dtype)
+        target.weight_scale.data = scale.to(target.weight_scale.dtype)
+        if zp is not None and hasattr(target, "weight_zero_point"):
+            target.weight_zero_point.data = (zp - 8).to(target.weight_zero_point.dtype)  # ct int4: -8..7
+    mixed = "candidates" in spec  # each module's format is its group's, not one for the model
+    with _one_line_format_warnings(fmt):
+        compressor = ModelCompressor.from_pretrained_model(dense, quantization_format=None if mixed else fmt)
+        compressor.compress_model(dense)
+    scale_dtype = getattr(torch, (spec.get("args") or spec).get("scale_dtype", "float32"))  # exact: see mapping
+    for name, p in dense.named_parameters():
+        if name.endswith("weight_scale"):
+            p.data = p.data.to(scale_dtype)
+        elif p.is_floating_point() and not name.endswith("weight_zero_point") and p.dtype == torch.float32:
+            p.data = p.data.to(dtype)
+    dense.config.dtype = dtype
+    dense.save_pretrained(dest, safe_serialization=True)
+    compressor.update_config(str(dest))
+    tok.save_pretrained(dest)
+    return format_name("checkpoint", spec)
+
+
+@contextlib.contextmanager
+def _one_line_format_warnings(fmt: str):
+    """compressed-tensors warns (loguru) per module when the format we choose
+    is not the one it infers (asymmetric int4 as ``block`` groups, see
+    ``schemes.int4.checkpoint``): one line instead of hundreds."""
+    from loguru import logger as loguru_logger
+
+    loguru_logger.disable("compressed_tensors")
+    try:
+        yield
+    finally:
+        loguru_logger.enable("compressed_tensors")
+    log.info("export: compressed-tensors' format warnings silenced (%s chosen on purpose)", fmt)

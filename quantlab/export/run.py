@@ -1,0 +1,192 @@
+"""The work of an export (``python -m quantlab.export`` is its command line):
+rebuild a sweep point from its run's logged ``config.yaml`` (same quantizer,
+same integers), write it (:mod:`~quantlab.export.checkpoint`,
+:mod:`~quantlab.export.gguf`), check it (:mod:`~quantlab.export.roundtrip`),
+rename it into place only when the round trip passes, log the outcome on the
+run and optionally register it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from quantlab import hardware, models, point, tracking
+from quantlab.compose import config_from_dict
+from quantlab.config import RunConfig
+from quantlab.digest import sha256_file
+from quantlab.divergence import kl_per_token
+from quantlab.errors import UserError
+from quantlab.export import checkpoint, formats, roundtrip
+from quantlab.schemes import layers, registry
+from quantlab.schemes.qlinear import QUANTIZED, dequantized
+
+log = logging.getLogger("quantlab")
+
+
+def rebuild(cfg: RunConfig, model: torch.nn.Module, tok) -> torch.nn.Module:
+    """``model`` (the point's float model, loaded by the caller) quantized in
+    place exactly as the sweep did, on CPU: same quantizer, same integers."""
+    ctx = registry.ApplyContext(hw=hardware.cpu(), tokenizer=tok, cache_dir=cfg.cache_dir,
+                                data_dir=cfg.data_dir, seed=cfg.seed)
+    w = cfg.scheme.weights
+    registry.weights_handler(w).apply(model, w, ctx)
+    return model.eval()
+
+
+def dense_twins(model: torch.nn.Module, float_model: torch.nn.Module, dtype: torch.dtype):
+    """``(float model, dense model holding the point's dequantized weights)``,
+    both copies of ``float_model`` in ``dtype`` (the checkpoint's): what a
+    faithful reload must equal, and what a reload that lost the quantization
+    would equal instead."""
+    float_twin, dense = copy.deepcopy(float_model), copy.deepcopy(float_model)
+    state = {k: v.float() for k, v in model.state_dict().items() if k in dense.state_dict()}
+    dense.load_state_dict(state, strict=False)  # non-quantized parameters as the point holds them
+    for name, mod in model.named_modules():
+        if isinstance(mod, QUANTIZED):
+            dense.get_submodule(name).weight.data = dequantized(mod).contiguous()
+    for m in (float_twin, dense):  # as transformers reloads the checkpoint: parameters in dtype (RoPE's
+        layers.cast_parameters(m, dtype)  # inv_freq stays fp32) and config.dtype too (masks, kernels follow it)
+        m.config.dtype = dtype
+    return float_twin.eval(), dense.eval()
+
+
+def export_run(client, run_id: str, out: Path, force: bool = False, register: str | None = None,
+               tolerance: float | None = None) -> dict:
+    """Rebuild, write, verify, rename into place, log and (optionally) register.
+    The model is loaded once: the point, the compressor's fp32 copy and the
+    two dense twins of the round trip are copies of that one load."""
+    if out.exists() and not force:
+        raise UserError(f"{out} exists; pass --force to replace it")
+    run = client.get_run(run_id)
+    cfg = _run_config(client, run_id)
+    spec = formats.mapping("checkpoint", cfg.scheme.weights)  # refuse a scheme without a format before rebuilding
+    log.info("export: rebuilding %s from run %s", run.info.run_name, run_id)
+    if cfg.scheme.kv.short_name():
+        log.info("export: %s is a KV-cache setting of the runtime, not part of a checkpoint: the export holds "
+                 "the weights; quantlab.json records it (kv_scheme)", cfg.scheme.kv.short_name())
+    float_model, tok = models.load(cfg.model, cfg.cache_dir)
+    model = rebuild(cfg, copy.deepcopy(float_model), tok)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        fmt = checkpoint.write(model, tok, spec, copy.deepcopy(float_model), tmp)
+        ids = roundtrip.check_input(tok)
+        point_logits, greedy = roundtrip.logits_and_greedy(model, ids)  # the point's own text, for information
+        float_twin, dense = dense_twins(model, float_model, getattr(torch, spec["dtype"]))
+        del float_model
+        # W8A8 quantizes activations at run time, in the point and in the reload alike, not in a dense twin
+        logits = point_logits if "input_activations" in spec else roundtrip.logits_and_greedy(dense, ids)[0]
+        float_logits = roundtrip.logits_and_greedy(float_twin, ids)[0]
+        point_from_float = float(kl_per_token(float_logits, logits).mean())
+        del float_twin, dense
+        with tempfile.TemporaryDirectory() as ref_dir:
+            ref_file = Path(ref_dir) / "reference.safetensors"
+            save_file({"ids": ids, "logits": logits.contiguous(), "greedy": greedy,
+                       "float_logits": float_logits.contiguous()}, ref_file)
+            check = roundtrip.verify_in_fresh_process(tmp, ref_file)
+        check.update(roundtrip.round_trip_verdict(check, point_from_float, tolerance))
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {"source_run_id": run_id, "run_name": run.info.run_name, "format": fmt,
+                    "scheme": cfg.scheme.weights.to_dict(), "kv_scheme": cfg.scheme.kv.to_dict(),
+                    "model": dataclasses.asdict(cfg.model),
+                    "metrics": run.data.metrics, "versions": tracking.versions(
+                        ("torch", "transformers", "compressed-tensors", "torchao", "quantlab")),
+                    "round_trip": check, "files_sha256": files,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (tmp / "quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
+        tags = {"export.format": fmt, "export.round_trip": "passed" if check["passed"] else "failed",
+                "export.kl_mean": f"{check['kl_mean']:.3e}", "export.greedy_match": str(check["greedy_match"])}
+        tracking.set_tags(client, run_id, tags)
+        if not check["passed"]:
+            raise UserError(f"round trip failed: {check['why']}; nothing written to {out}")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if register:  # the registry's version points at a copy in the run's artifacts
+        log.info("export: copying %s into run %s's artifacts (export/) for the registry", out, run_id)
+        client.log_artifacts(run_id, str(out), artifact_path="export")
+        _register(client, register, run, fmt)
+    log.info("export: %s written (%s), round trip KL %.2e, greedy text %s", out, fmt, check["kl_mean"],
+             "identical" if check["greedy_match"] else "DIFFERENT")
+    return manifest
+
+
+def _run_config(client, run_id: str) -> RunConfig:
+    """The point's config as its run logged it."""
+    with tempfile.TemporaryDirectory() as d:
+        text = Path(client.download_artifacts(run_id, "config.yaml", d)).read_text()
+    try:
+        return config_from_dict(yaml.safe_load(text))
+    except ValueError as e:
+        raise UserError(f"run {run_id}: {e}") from None
+
+
+def export_gguf(client, run_id: str, out: Path, force: bool = False) -> dict:
+    """The point as one GGUF file (its own integers; see :mod:`quantlab.export.gguf`),
+    kept only when llama.cpp reproduces the point (:func:`roundtrip.gguf_check`);
+    a ``<out>.quantlab.json`` manifest beside it."""
+    from quantlab.engines.llamacpp import LlamaCppEngine
+    from quantlab.export import gguf
+
+    if out.exists() and not force:
+        raise UserError(f"{out} exists; pass --force to replace it")
+    cfg = _run_config(client, run_id)
+    w = cfg.scheme.weights
+    gguf_type = formats.mapping("gguf", w)["type"]
+    log.info("export: rebuilding %s from run %s for GGUF (%s)", w.short_name(), run_id, gguf_type)
+    model, tok = models.load(cfg.model, cfg.cache_dir)
+    model = rebuild(cfg, model, tok)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        counts = gguf.write(model, tok, tmp, getattr(model, "quantlab_gguf", None), name=w.short_name())
+        ids = roundtrip.check_input(tok)
+        engine = LlamaCppEngine(tmp, "F16", model.config.vocab_size, n_ctx=max(64, ids.shape[1] + 8))
+        try:
+            check = roundtrip.gguf_check(tmp, engine, model, ids, gguf_type)
+        finally:
+            engine.close()
+        tracking.set_tags(client, run_id, {"export.gguf.round_trip": "passed" if check["passed"] else "failed",
+                                           "export.gguf.kl_mean": f"{check['kl_mean']:.3e}"})
+        if not check["passed"]:
+            raise UserError(f"GGUF round trip failed: KL {check['kl_mean']:.3e} (tolerance "
+                            f"{check['tolerance_kl_mean']:g}), tensor types {check['tensor_types']} "
+                            f"(expected {check['expected_type']}); nothing written to {out}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    manifest = {"source_run_id": run_id, "format": formats.format_name("gguf", {"type": gguf_type}), "tensor_types": counts,
+                "scheme": w.to_dict(), "round_trip": check, "sha256": sha256_file(out),
+                "versions": tracking.versions(("torch", "transformers", "gguf", "llama_cpp_python", "quantlab"))}
+    out.with_name(out.name + ".quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
+    log.info("export: %s written (%s), llama.cpp round trip KL %.2e, top-1 %.3f", out,
+             ", ".join(f"{v} {k}" for k, v in counts.items()), check["kl_mean"], check["top1_agree"])
+    return manifest
+
+
+def _register(client, name: str, run, fmt: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
+            raise
+    keys = ("fid/kl_mean", "lat/tpot_ms_p50", "size/weight_mb", "size/bits_per_weight")
+    tags = {k: f"{run.data.metrics[k]:.4g}" for k in keys if k in run.data.metrics}
+    tags.update({"format": fmt, "scheme": run.data.tags.get(point.SCHEME_TAG, "?")})
+    source = f"{run.info.artifact_uri}/export"
+    client.create_model_version(name, source, run_id=run.info.run_id, tags=tags)

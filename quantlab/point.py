@@ -1,0 +1,116 @@
+"""A point's identity and the names of the tags that carry it (standard library only).
+
+One sweep point is known by its scheme name (``int4-g64+kv8``), its target
+label (``cpu+compile``), the run name made of both (``int4-g64+kv8@cpu+compile``)
+and a hash of what it measures. :func:`identify` computes them once per point;
+everything else (tracking, sweep, report, export) reads them from the
+:class:`Identity` or from the tags named here, never by parsing a run name.
+
+Every tag or role that more than one module writes or reads is defined here
+once; this module imports nothing outside the standard library, so the export
+command line can read a store's tags without importing MLflow or torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# --- bookkeeping tags (tracking, sweep, report, export) ---
+PARENT_TAG = "mlflow.parentRunId"
+SWEEP_TAG = "quantlab.sweep"  # the sweep's name, on the parent and on every child
+ROLE_TAG, ROLE_SWEEP = "quantlab.role", "sweep"  # a sweep's parent run carries ROLE_TAG = ROLE_SWEEP
+OUTCOME_TAG = "quantlab.outcome"  # finished | skipped | failed | reused | killed
+REASON_TAG = "quantlab.reason"
+REUSED_FROM_TAG = "quantlab.reused_from"  # on a light child run: the run that measured it
+HOST_TAG, PID_TAG, PID_START_TAG = "quantlab.host", "quantlab.pid", "quantlab.pid_start"
+BASELINE_TAG = "recovery.baseline"  # on the parent: the run name the sweep compared against
+RECOMMENDED_BY_TAG = "recommended.by"  # on the parent: the objective of the budget picks
+
+# --- a point's identity and provenance (pipeline writes them; report, export read them) ---
+SCHEME_TAG = "scheme"  # the point's scheme name (weights[+kv]), also a param
+HASH_TAG = "point_hash"
+HOST_ID_TAG = "host.id"  # short hash of the host fingerprint
+HOST_FINGERPRINT_TAG = "host.fingerprint"
+HOST_CPU_TAG = "host.cpu"
+EMULATED_TAG = "emulated"  # "true" when the latency is not the scheme's own kernels'
+
+
+def recommended_tags(budget: float) -> tuple[str, str]:
+    """On the parent: the tags naming the point recommended within ``budget``
+    (its run name, its run id)."""
+    return f"recommended.{budget:g}", f"recommended.{budget:g}.run_id"
+
+
+def recommended_budgets(tags: dict[str, str]) -> list[str]:
+    """The budgets a sweep parent's ``tags`` hold a recommendation for (as written)."""
+    return sorted(k[len("recommended."):-len(".run_id")] for k in tags
+                  if k.startswith("recommended.") and k.endswith(".run_id"))
+
+
+def recommended_point_tag(budget: float) -> str:
+    """On the recommended child run itself."""
+    return f"quantlab.recommended.{budget:g}"
+
+
+def exportable_tag(fmt: str) -> str:
+    """The tag a point carries for export format ``fmt``: the format it exports
+    as (``compressed-tensors/pack-quantized``, ``gguf/Q4_1``...) or ``no: <why>``."""
+    return f"exportable.{fmt}"
+
+
+def target_label(target: Any) -> str:
+    """The target part of a run name: ``cpu``, ``cpu+compile``, ``cuda+graphs+static``.
+    A pure function of the config (no validation), so a bad option still names its run."""
+    parts = [target.name]
+    mode = getattr(target, "compile_mode", None)
+    if mode is not None and target.compile:
+        parts.append("graphs" if mode == "reduce-overhead" else "compile" if mode == "default"
+                     else f"compile-{mode}")
+    if getattr(target, "static_cache", 0):
+        parts.append("static")
+    return "+".join(parts)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What names a point: ``scheme`` (``int4-g64+kv8``), ``weights``
+    (``int4-g64``), ``kv`` (``kv8``, or '' for the unquantized cache),
+    ``target`` (``cpu+compile``) and ``hash`` (16 hex digits of the semantic
+    config, quantlab's code version and the data files' sha256)."""
+
+    scheme: str
+    weights: str
+    kv: str
+    target: str
+    hash: str
+
+    @property
+    def name(self) -> str:
+        """The run name: ``<scheme>@<target>``."""
+        return f"{self.scheme}@{self.target}"
+
+
+def identify(cfg: Any, as_dict: dict[str, Any], code: str, data: str) -> Identity:
+    """The identity of point ``cfg`` (a ``RunConfig``) whose plain-dict form is
+    ``as_dict`` (``compose.config_dict``), for code version ``code`` and data
+    fingerprint ``data``. The hash covers model (not its display name), scheme,
+    target, probe and seed: not where the point is logged or cached."""
+    semantic = {k: as_dict[k] for k in ("model", "scheme", "target", "probe", "seed")}
+    semantic["model"] = {k: v for k, v in semantic["model"].items() if k != "name"}
+    semantic["code"], semantic["data"] = code, data
+    digest = hashlib.sha256(json.dumps(semantic, sort_keys=True).encode()).hexdigest()[:16]
+    weights, kv = cfg.scheme.weights.short_name(), cfg.scheme.kv.short_name()
+    return Identity(f"{weights}{'+' + kv if kv else ''}", weights, kv, target_label(cfg.target), digest)
+
+
+def find_sweep(sweeps: list[tuple[str, dict[str, str]]], sweep: str) -> tuple[str, dict[str, str]]:
+    """The parent run of ``sweep`` (a sweep name, a parent run id, or ``latest``)
+    among ``sweeps`` (``(run id, tags)`` of every sweep parent, newest first).
+    Raises ``LookupError`` with one line listing the sweeps there are."""
+    for run_id, tags in sweeps:
+        if sweep in ("latest", run_id, tags.get(SWEEP_TAG)):
+            return run_id, tags
+    names = sorted({t.get(SWEEP_TAG, "?") for _, t in sweeps})
+    raise LookupError(f"no sweep {sweep!r} in this store; sweeps: {', '.join(names) or 'none'} (or a parent run id)")

@@ -1,0 +1,175 @@
+"""The shape of the code stays true: layers import downwards only, no module
+imports another that imports it back, the point-identity module needs the
+standard library alone, and the greps the architecture promises hold.
+
+Imports are read from the source (every ``import`` statement, also those inside
+functions), so a lazy import counts like any other.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "quantlab"
+
+# Layers from the ground up (docs/architecture.md draws them). A module may
+# import its own layer and the ones below; the most specific prefix decides.
+LAYERS = [
+    ("base", ["errors", "digest", "point", "divergence", "decode", "stats", "uncertainty", "pareto", "measurement",
+              "hardware", "decision", "config", "corpus"]),
+    ("data", ["models", "calibration", "tracking", "plots"]),
+    ("schemes", ["schemes"]),
+    ("serving", ["serving"]),
+    ("engines", ["engines"]),
+    ("probes", ["probes"]),
+    ("writers", ["export.formats", "export.checkpoint", "export.gguf", "export.roundtrip", "export"]),
+    ("targets", ["targets"]),
+    ("app", ["compose", "provenance", "pipeline", "report", "serving_report", "sweep", "cli", "capabilities",
+             "sensitivity", "__main__", "export.run", "export.cli", "export.__main__"]),
+]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """quantlab module -> the quantlab modules it imports (anywhere in its source)."""
+    files = {module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        deps: set[str] = set()
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    here = name.split(".") if is_pkg else name.split(".")[:-1]
+                    here = here[:len(here) - node.level + 1]
+                    base = ".".join(here + ([node.module] if node.module else []))
+                for a in node.names:
+                    deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in files else base)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def layer(module: str) -> int:
+    short = module.removeprefix("quantlab").lstrip(".")
+    best, best_len = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (short == p or short.startswith(p + ".")) and len(p) > best_len:
+                best, best_len = i, len(p)
+    if best is None and short in ("", "schemes", "engines", "probes", "serving", "targets"):
+        return 0  # package markers (docstrings only)
+    assert best is not None, f"{module} is in no layer of tests/test_architecture.py: add it"
+    return best
+
+
+def test_every_module_has_a_layer():
+    for m in imports():
+        layer(m)
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = [f"{m} ({LAYERS[layer(m)][0]}) imports {d} ({LAYERS[layer(d)][0]})"
+           for m, deps in imports().items() for d in sorted(deps) if layer(d) > layer(m)]
+    assert not bad, "\n".join(bad)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert cycles(imports()) == []
+
+
+def test_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_point_identity_needs_the_standard_library_only():
+    tree = ast.parse((PKG / "point.py").read_text())
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert roots - {"__future__"} <= set(sys.stdlib_module_names), roots
+
+
+def _grep(pattern: str, where: str = "") -> list[str]:
+    rx = re.compile(pattern)
+    return [f"{p.relative_to(PKG.parent)}:{i}" for p in sorted(PKG.rglob("*.py")) if str(p).find(where) >= 0
+            for i, line in enumerate(p.read_text().splitlines(), 1) if rx.search(line)]
+
+
+def test_one_kl_per_token_function():
+    assert [h.split(":")[0] for h in _grep(r"def (_?kl|kl_\w+)\(")] == ["quantlab/divergence.py"]
+    # every KL over a vocabulary goes through it: no hand-written p * (log p - log q) elsewhere
+    assert [h for h in _grep(r"\.exp\(\) \* \(") if not h.startswith("quantlab/divergence.py")] == []
+
+
+def test_no_run_name_parsing():
+    assert _grep(r'split\("@"\)') == []
+
+
+@pytest.mark.parametrize("tag", ["quantlab.sweep", "quantlab.role", "quantlab.outcome", "quantlab.reason",
+                                 "quantlab.reused_from", "recovery.baseline", "point_hash", "host.id"])
+def test_each_tag_name_is_defined_once(tag):
+    assert _grep(re.escape(f'"{tag}"')) == ["quantlab/point.py:" + _grep(re.escape(f'"{tag}"'))[0].split(":")[1]]
+
+
+def test_no_scheme_type_or_attribute_tests_outside_schemes():
+    from quantlab.schemes import registry
+
+    names = sorted({t.__name__ for t in (*registry.weight_schemas().values(), *registry.kv_schemas().values())})
+    outside = [p for p in PKG.rglob("*.py") if "schemes" not in p.relative_to(PKG).parts]
+    hits = []
+    for p in outside:
+        text = p.read_text()
+        for n in names:
+            if re.search(rf"\b{n}\b", text):
+                hits.append(f"{p.relative_to(PKG.parent)} names {n}")
+        for attr in ("compute_dtype", "candidates", "input_activations", "calibration", "group_size", "symmetric"):
+            if re.search(rf"getattr\(\s*(w|weights|kv|cfg\.scheme\.\w+)\s*,\s*\"{attr}\"", text) \
+                    or re.search(rf"\b(w|weights|cfg\.scheme\.weights)\.{attr}\b", text):
+                hits.append(f"{p.relative_to(PKG.parent)} reads the scheme's {attr}")
+    assert hits == []
