@@ -102,6 +102,7 @@ class FidelityProbeConfig:
     corpus: str = "builtin"
     tokens: int = field(default=256, metadata={"min": 2})
     reference_dtype: str = "float32"
+    topk: int = field(default=20, metadata={"min": 1})  # engines that return only their top k (vllm)
 
 
 @dataclass
@@ -251,7 +252,7 @@ def validate(cfg: Any, path: str = "") -> None:
             continue
         if "choices" in f.metadata:
             for v in (value if isinstance(value, list) else [value]):
-                check_choice(name, v, f.metadata["choices"])
+                check_choice(name, v, f.metadata["choices"], element=isinstance(value, list))
         for v in (value if isinstance(value, list) else [value]):
             if v is None or not isinstance(v, (int, float)):
                 continue
@@ -266,10 +267,14 @@ def choices(config_type: type, name: str) -> tuple[str, ...]:
     return next(f.metadata["choices"] for f in dataclasses.fields(config_type) if f.name == name)
 
 
-def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
-    """The one check of a string choice: ``ValueError('unknown <name> <value>; valid: ...')``."""
-    if value not in valid:
-        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+def check_choice(name: str, value: Any, valid: tuple[str, ...], element: bool = False) -> None:
+    """The one check of a string choice: ``ValueError`` naming the field, the
+    value and the valid ones (``element``: ``value`` is one item of a list field)."""
+    if value in valid:
+        return
+    if element:
+        raise ValueError(f"{name}: unknown {value!r}; valid: {', '.join(valid)}")
+    raise ValueError(f"{name}={value!r}: valid: {', '.join(valid)}")
 
 
 def _validate_load(cfg: LoadProbeConfig, path: str) -> None:

@@ -213,9 +213,7 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
                               "compile/enabled": float(bool(getattr(cfg.target, "compile", False))),
                               **engine.metrics})
             if reference is not None:
-                log.info("[%s] fidelity probe (%d tokens)", name, reference[0].shape[1])
-                m.metrics.update(fidelity.compare(reference[1], fidelity.logprobs(engine, reference[0]),
-                                                  reference[0][0, 1:]))
+                _fidelity(cfg, name, engine, reference, m)
             _accuracy(cfg, name, engine, tok, m)
             _cache(cfg, name, engine, model.config, tok, compute_bytes, m)
             if cfg.probe.latency.enabled:
@@ -242,6 +240,19 @@ def _reference(cfg: RunConfig, name: str, tok, m: Measurement):
         return ids, fidelity.reference(
             key, ids, cfg.cache_dir, lambda: TorchEngine(models.load(cfg.model, cfg.cache_dir, dtype)[0]))
     return None
+
+
+def _fidelity(cfg: RunConfig, name: str, engine, reference, m: Measurement) -> None:
+    """KL and top-1 against the reference: over whole distributions, or where
+    the engine returns only its top k, the top-k lower bound (named apart)."""
+    ids, ref = reference
+    log.info("[%s] fidelity probe (%d tokens)", name, ids.shape[1])
+    if why := engine.cannot("logits"):
+        vals, top = engine.topk_logprobs(ids, cfg.probe.fidelity.topk)
+        m.metrics.update(fidelity.compare_topk(ref, vals, top, engine.token_logprobs(ids)[0][0], ids[0, 1:]))
+        m.tags["probe.fidelity.kl"] = f"top-{cfg.probe.fidelity.topk} lower bound ({why})"
+        return
+    m.metrics.update(fidelity.compare(ref, fidelity.logprobs(engine, ids), ids[0, 1:]))
 
 
 def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:

@@ -10,6 +10,7 @@ from quantlab.targets.cuda import CUDATargetConfig
 from quantlab.targets.neuron import NeuronTargetConfig
 from quantlab.schemes.base import KVScheme, WeightScheme
 from quantlab.targets.llamacpp import LlamaCppTargetConfig
+from quantlab.targets.vllm import VllmTargetConfig
 from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.kv import NoKV
 from tests.conftest import compose_cfg
@@ -24,7 +25,8 @@ def test_preset_composes_to_typed_config(group, preset):
     assert isinstance(cfg, RunConfig)
     assert isinstance(cfg.model, ModelConfig)
     assert isinstance(cfg.probe, ProbeConfig)
-    assert isinstance(cfg.target, (CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig, LlamaCppTargetConfig))
+    assert isinstance(cfg.target, (CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig, LlamaCppTargetConfig,
+                                   VllmTargetConfig))
     assert isinstance(cfg.scheme.kv, KVScheme) and isinstance(cfg.scheme.weights, WeightScheme)
     if group == "scheme/weights":  # run names (and the `scheme` param) are the preset names
         name = cfg.scheme.weights.short_name()  # (a mixed recipe's name says mixed and its recipe)
@@ -149,13 +151,22 @@ def test_an_unknown_config_type_is_one_line():
 
 
 @pytest.mark.parametrize("override,match", [
-    ("probe.load.arrival=burst", "unknown probe.load.arrival 'burst'; valid: poisson, constant"),
-    ("probe.load.policies=[continuous,fifo]", "unknown probe.load.policies 'fifo'; valid: continuous, dynamic"),
-    ("isolation=thread", "unknown isolation 'thread'; valid: none, process"),
-    ("target.compile_mode=turbo", "unknown target.compile_mode 'turbo'; valid: default, max-autotune"),
+    ("probe.load.arrival=burst", "probe.load.arrival='burst': valid: poisson, constant"),
+    ("probe.load.policies=[continuous,fifo]", "probe.load.policies: unknown 'fifo'; valid: continuous, dynamic"),
+    ("isolation=thread", "isolation='thread': valid: none, process"),
+    ("target.compile_mode=turbo", "target.compile_mode='turbo': valid: default, max-autotune"),
 ])
 def test_string_choices_are_checked_in_one_place(override, match):
     from quantlab.config import validate
 
     with pytest.raises(ValueError, match=match):
         validate(compose_cfg([override]))
+
+
+def test_every_policy_the_config_offers_is_served():
+    from quantlab.config import POLICIES, LoadProbeConfig, choices
+    from quantlab.serving import policies
+
+    assert tuple(policies.NEEDS) == POLICIES == choices(LoadProbeConfig, "policies")
+    with pytest.raises(ValueError, match="policies: unknown 'fifo'; valid: continuous, dynamic, passthrough"):
+        policies.make_policy("fifo", None, LoadProbeConfig())

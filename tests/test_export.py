@@ -193,7 +193,7 @@ def test_interrupted_export_leaves_no_half_directory(store, tmp_path, monkeypatc
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "verify_in_fresh_process", interrupted)
+    monkeypatch.setattr(roundtrip, "verify_in_fresh_process", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run.export_run(client, ids["int8"], tmp_path / "x")
     assert list(tmp_path.iterdir()) == []

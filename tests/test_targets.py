@@ -29,7 +29,8 @@ def test_matrix_covers_every_preset_and_target(matrix):
     from quantlab.cli import presets
 
     targets_ = set(presets("target"))
-    assert {t for _, _, t in matrix} == targets_ == {"cpu", "cuda", "cuda-compile", "cuda-graphs", "neuron", "llamacpp"}
+    assert {t for _, _, t in matrix} == targets_ == {"cpu", "cuda", "cuda-compile", "cuda-graphs", "neuron", "llamacpp",
+                                                                 "vllm"}
     assert {n for g, n, _ in matrix if g == "weights"} == set(presets("scheme/weights"))
     assert matrix[("weights", "fp8-e4m3", "cpu")][0] == "emulated"
     assert matrix[("weights", "int4-g64", "cpu")][0] == "real"

@@ -14,10 +14,11 @@ import torch
 
 from quantlab.decode import Clock, Decoded, greedy
 
-# What a probe may ask beyond logits/decode; ``cannot`` answers each. ``batch``:
-# decode several sequences in one call; ``continuous``: serve through
-# transformers' continuous-batching scheduler over ``engine.model``.
-CAPABILITIES = ("cache", "stages", "roofline", "energy", "batch", "continuous")
+# What a probe may ask beyond decode; ``cannot`` answers each. ``logits``: whole
+# next-token distributions (an engine that returns only its top k says so, and
+# offers ``topk_logprobs``); ``batch``: decode several sequences in one call;
+# ``continuous``: serve through the engine's own continuous-batching scheduler.
+CAPABILITIES = ("logits", "cache", "stages", "roofline", "energy", "batch", "continuous")
 
 
 class Engine(abc.ABC):
@@ -56,10 +57,27 @@ class Engine(abc.ABC):
         """Why ``probe`` (one of ``CAPABILITIES``) cannot run here; '' when it can."""
         if probe not in CAPABILITIES:
             raise ValueError(f"unknown capability {probe!r}; valid: {', '.join(CAPABILITIES)}")
-        return f"the {self.name} engine does not offer it"
+        return "" if probe == "logits" else f"the {self.name} engine does not offer it"
 
     @abc.abstractmethod
     def logits(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def token_logprobs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids: [B, T]`` -> ``(logp, top1)``, both ``[B, T - 1]``: the
+        log-probability of each actual next token ``ids[:, 1:]`` (float64) and
+        whether it was the most likely one. All perplexity and log-likelihood
+        scoring goes through here; from :meth:`logits` unless an engine scores
+        otherwise (a server that returns the actual token's log-probability)."""
+        logp = torch.log_softmax(self.logits(ids[:, :-1]).float(), dim=-1).cpu()
+        nxt = ids[:, 1:, None].to(logp.device)
+        return logp.gather(-1, nxt)[..., 0].double(), logp.argmax(-1) == ids[:, 1:]
+
+    def topk_logprobs(self, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids: [1, T]`` -> ``(values, token ids)``, both ``[T, k]``, best
+        first: the top ``k`` next-token log-probabilities of every position
+        (for engines where ``cannot("logits")`` is not empty)."""
+        logp = torch.log_softmax(self.logits(ids)[0].float(), dim=-1).cpu()
+        return logp.topk(k, dim=-1)
 
     @abc.abstractmethod
     def decode(self, prompt: torch.Tensor, n_new: int, clock: Clock | None = None,

@@ -68,6 +68,42 @@ def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor | 
     return out
 
 
+def compare_topk(ref_logp: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor,
+                 target_logp: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> dict[str, float]:
+    """Fidelity from an engine that returns only its top ``k`` log-probabilities
+    per position (``top_values``, ``top_ids``: ``[T, k]``, best first).
+
+    ``fid/kl_topk_lb_mean``: per position KL(ref || point) over ``k + 1``
+    outcomes, the point's top ``k`` tokens and "any other" (the reference's
+    and the point's remaining mass each merged into one). Merging outcomes
+    never raises a KL (the data-processing inequality), so this is a lower
+    bound of ``fid/kl_mean``, equal to it when the reference puts no mass
+    outside the point's top k; ``fid/kl_topk_ref_mass_outside`` says how much
+    it leaves out. Top-1 agreement is exact (the point's best token is known);
+    with ``target_logp`` (the point's log-probability of each actual next
+    token) and ``targets``, ``fid/ln_ppl_ratio`` is exact too."""
+    if ref_logp.shape[0] != top_values.shape[0]:
+        raise ValueError(f"reference has {ref_logp.shape[0]} positions, the point {top_values.shape[0]}")
+    ref64, vals = ref_logp.double(), top_values.double()
+    p_in = ref64.exp().gather(-1, top_ids.long())  # reference mass on the point's top k
+    q_in = vals.exp()
+    p_out = (1.0 - p_in.sum(-1)).clamp_min(0.0)
+    q_out = (1.0 - q_in.sum(-1)).clamp_min(1e-300)
+    kl_in = (p_in * (p_in.clamp_min(1e-300).log() - vals)).sum(-1)
+    kl = (kl_in + torch.where(p_out > 0, p_out * (p_out.clamp_min(1e-300).log() - q_out.log()), 0.0))
+    kl = kl.clamp_min(0.0).numpy()
+    same = (ref_logp.argmax(-1) == top_ids[:, 0]).double().numpy()
+    out = {"fid/kl_topk_lb_mean": float(kl.mean()), "fid/kl_topk_lb_mean_stderr": mean_stderr(kl),
+           "fid/kl_topk_k": float(top_ids.shape[1]), "fid/kl_topk_ref_mass_outside": float(p_out.mean()),
+           "fid/top1_agree": float(same.mean()), "fid/top1_agree_stderr": mean_stderr(same),
+           "fid/tokens": float(kl.size)}
+    if target_logp is not None and targets is not None:
+        lr = ref64[:-1].gather(-1, targets.reshape(-1, 1).long())[:, 0].numpy()
+        dnll = lr - target_logp.double().numpy()
+        out.update({"fid/ln_ppl_ratio": float(dnll.mean()), "fid/ln_ppl_ratio_stderr": mean_stderr(dnll)})
+    return out
+
+
 def reference(key: dict, ids: torch.Tensor, cache_dir: str, build: Callable[[], object]) -> torch.Tensor:
     """Cached reference log-probs. ``key`` identifies model + reference precision;
     the token ids are hashed in, so another corpus or length gets another entry.

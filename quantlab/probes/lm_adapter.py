@@ -48,15 +48,14 @@ class EngineLM(TemplateLM):
         out: list[tuple[float, bool] | None] = [None] * len(requests)
         for s in range(0, len(order), self.batch_size):
             idx = order[s:s + self.batch_size]
-            rows = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1] for i in idx]
+            rows = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):] for i in idx]
             width = max(len(r) for r in rows)
             ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
-            logp = torch.log_softmax(self.engine.logits(ids).float(), dim=-1)
+            logp, top1 = self.engine.token_logprobs(ids)  # [B, width - 1]: of tokens 1.., right padding unread
             for j, i in enumerate(idx):
-                cont = requests[i][2]
-                lp = logp[j, len(rows[j]) - len(cont):len(rows[j])].cpu()
-                tok = torch.tensor(cont, dtype=torch.long)
-                answer = (float(lp.gather(-1, tok[:, None]).sum()), bool((lp.argmax(-1) == tok).all()))
+                n, cont = len(rows[j]) - 1, requests[i][2]
+                span = slice(n - len(cont), n)
+                answer = (float(logp[j, span].sum()), bool(top1[j, span].all()))
                 out[i] = answer
                 if requests[i][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)

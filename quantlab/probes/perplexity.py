@@ -51,11 +51,7 @@ def metric_name(window: int, n: int, total: int) -> str:
 @torch.inference_mode()
 def token_nll(engine, wins: torch.Tensor) -> np.ndarray:
     """Negative log-likelihood ``[n, window - 1]`` of every predicted token."""
-    out = []
-    for row in wins:
-        logp = torch.log_softmax(engine.logits(row[None])[0, :-1].float(), dim=-1)
-        out.append(-logp.gather(-1, row[1:].to(logp.device)[:, None])[:, 0].double().cpu().numpy())
-    return np.stack(out)
+    return np.stack([-engine.token_logprobs(row[None])[0][0].numpy() for row in wins])
 
 
 def summary(nll: np.ndarray, name: str) -> dict[str, float]:

@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from quantlab.errors import UserError
-from quantlab.serving.policies import Policy
-from quantlab.serving.requests import Request, count_overlaps
+from quantlab.serving.requests import Request
+from quantlab.serving.streaming import StreamingPolicy
 
 BUILD = "scripts/build_llama_server.sh"
 
@@ -120,83 +118,43 @@ class LlamaServer:
         Path(self.log.name).unlink(missing_ok=True)
 
 
-class ServerPolicy(Policy):
-    """Requests through llama-server's slots (see the module docstring). One
-    client thread per request in flight; ``batch``: requests in flight when a
-    request's first token came out."""
+class ServerPolicy(StreamingPolicy):
+    """Requests through llama-server's slots (see the module docstring)."""
 
     def __init__(self, server: LlamaServer):
         super().__init__()
-        self.server = server
+        self.server, self.slots = server, server.slots
 
-    def _one(self, r: Request, t0: float, conns: dict, ended: set, errors: list) -> None:
+    def stream_one(self, r: Request, t0: float, conns: dict) -> None:
         body = json.dumps({"prompt": r.prompt.tolist(), "n_predict": r.n_new, "stream": True, "top_k": 1,
                            "samplers": ["top_k"], "ignore_eos": True, "cache_prompt": False,
                            "return_tokens": True})
         conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=600)
         conns[r.rid] = conn
-        try:
-            conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                errors.append(f"llama-server answered {resp.status}: {resp.read()[:300].decode(errors='replace')}")
-                return
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                now = time.perf_counter() - t0
-                event = json.loads(line[6:])
-                n = min(int(event.get("tokens_predicted", 0)), r.n_new)
-                while len(r.tokens_s) < n:  # tokens held back reach the client with the one that follows
-                    r.tokens_s.append(now)
-                    r.tokens.append(-1)
-                if event.get("tokens") and n:
-                    r.tokens[n - 1] = int(event["tokens"][-1])
-                if event.get("stop"):
-                    prefill_s = event.get("timings", {}).get("prompt_ms", 0.0) / 1e3
-                    if r.tokens_s:
-                        r.start_s = max(r.sent_s, r.tokens_s[0] - prefill_s)
-                    break
-        except OSError:  # the connection was closed because the rate stopped
-            pass
-        finally:
-            conn.close()
-            ended.add(r.rid)
-
-    def serve(self, requests, t0, last_due_s, limits, start) -> str:
-        threads: list[threading.Thread] = []
-        conns: dict[int, http.client.HTTPConnection] = {}
-        ended: set[int] = set()
-        errors: list[str] = []
-
-        def submit(r: Request) -> None:
-            th = threading.Thread(target=self._one, args=(r, t0, conns, ended, errors), daemon=True)
-            threads.append(th)
-            th.start()
-
-        before = self.server.decode_calls()
-        start(submit)
-        stopped = ""
-        while not errors:
-            left = len(requests) - len(ended)
-            if not left:
+        conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"llama-server answered {resp.status}: {resp.read()[:300].decode(errors='replace')}")
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            now = time.perf_counter() - t0
+            event = json.loads(line[6:])
+            n = min(int(event.get("tokens_predicted", 0)), r.n_new)
+            while len(r.tokens_s) < n:  # tokens held back reach the client with the one that follows
+                r.tokens_s.append(now)
+                r.tokens.append(-1)
+            if event.get("tokens") and n:
+                r.tokens[n - 1] = int(event["tokens"][-1])
+            if event.get("stop"):
+                prefill_s = event.get("timings", {}).get("prompt_ms", 0.0) / 1e3
+                if r.tokens_s:
+                    r.start_s = max(r.sent_s, r.tokens_s[0] - prefill_s)
                 break
-            in_flight = sum(1 for r in requests if not math.isnan(r.sent_s)) - len(ended)
-            if stopped := limits.why_stop(time.perf_counter() - t0, in_flight - self.server.slots, left,
-                                          last_due_s):
-                break
-            time.sleep(0.02)
-        for conn in list(conns.values()):  # closing a stream makes the server cancel its task
-            if conn.sock is not None:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-        for th in threads:
-            th.join(30)
-        if errors:
-            raise RuntimeError(errors[0])
-        self.steps += int(self.server.decode_calls() - before)
-        count_overlaps(requests)
-        return stopped
+
+    def forwards(self) -> float:
+        return self.server.decode_calls()
 
     def close(self) -> None:
         self.server.close()

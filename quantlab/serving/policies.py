@@ -92,13 +92,12 @@ class BatchPolicy(Policy):
 
 # The engine capability each policy of ``config.POLICIES`` needs ('' none).
 NEEDS = {"continuous": "continuous", "dynamic": "batch", "passthrough": ""}
-assert tuple(NEEDS) == POLICIES, "every policy the config offers is served here"
 
 
 def make_policy(name: str, engine, cfg) -> Policy:
     """The policy ``name`` (one of ``config.POLICIES``; the config checks it)
     over ``engine`` (``cfg``: :class:`~quantlab.config.LoadProbeConfig`)."""
-    check_choice("policy", name, POLICIES)
+    check_choice("probe.load.policies", name, POLICIES, element=True)
     if name == "continuous":
         return engine.scheduler(cfg.max_batch, cfg.prompt_tokens + cfg.new_tokens)
     return BatchPolicy(engine, cfg.max_batch if name == "dynamic" else 1, cfg.max_wait_ms if name == "dynamic" else 0.0)

@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 _MODULES = ("quantlab.targets.cpu", "quantlab.targets.cuda", "quantlab.targets.neuron",
-            "quantlab.targets.llamacpp")
+            "quantlab.targets.llamacpp", "quantlab.targets.vllm")
 _TARGETS: dict[type, type] = {}
 
 

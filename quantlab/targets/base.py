@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 from transformers import StaticCache
 
-from quantlab.config import check_choice, choices
+from quantlab.config import choices
 from quantlab.engines.base import Engine
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
@@ -82,10 +82,8 @@ class LocalTarget(Target):
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
-        try:
-            check_choice("compile_mode", cfg.compile_mode, choices(type(cfg), "compile_mode"))
-        except ValueError as e:
-            raise UserError(f"{self.name}: {e}") from None
+        if cfg.compile_mode not in (modes := choices(type(cfg), "compile_mode")):
+            raise UserError(f"{self.name}: unknown compile_mode {cfg.compile_mode!r}; valid: {', '.join(modes)}")
         if cfg.static_cache < 0:
             raise UserError(f"{self.name}: static_cache must be >= 0 (0: dynamic cache), got {cfg.static_cache}")
 

@@ -59,10 +59,9 @@ def weight_support(weights: Any) -> Support:
 
 def compile_dtype(weights: Any) -> str:
     """The torch dtype name the Neuron compiler casts a point to (bf16 or fp16)."""
-    m = weights_handler(weights).mapping("neuron", weights)
-    if not m.ok:
-        raise UserError(f"neuron: {m.reason}")
-    dtype = m.spec["dtype"]
+    h = weights_handler(weights)
+    m = h.mapping("neuron", weights) if h.mapping("neuron", weights).ok else h.mapping("checkpoint", weights)
+    dtype = m.spec["dtype"] if m.ok else None  # a scheme without a Neuron mapping: the dtype it stores
     if dtype not in DTYPES:
         raise UserError(f"neuron: dtype {dtype} not compilable; valid: {', '.join(DTYPES)}")
     return dtype

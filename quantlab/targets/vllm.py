@@ -1,0 +1,197 @@
+"""vLLM as a target: the point measured is the checkpoint shipped.
+
+Per point: quantlab quantizes as on the CPU target (its own integers), writes
+the point through its own compressed-tensors export
+(:func:`quantlab.export.checkpoint.write`, the file ``python -m
+quantlab.export`` writes) into a content-keyed cache under
+``target.export_cache`` (an unchanged point is not re-exported; a stamp with
+the files' sha256 catches a corrupt entry), starts a vLLM server on it
+(:class:`~quantlab.engines.vllm.VllmEngine`) and stops it when the point ends.
+
+``supports()`` decides per scheme, KV scheme and host before anything loads:
+the scheme must have a checkpoint format; vLLM's CPU build runs int4 W4A16
+only with AVX512-BF16 (its ``cpu_gemm_wna16`` kernels), so an AVX2 host skips
+int4 points with that reason; the server's first real request confirms the
+rest (a kernel it lacks fails the point in one line, nothing left running).
+KV schemes map to ``--kv-cache-dtype``: ``fp8`` -> ``fp8``; quantlab's int8 and
+int4 caches have no vLLM equivalent here.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from quantlab import hardware
+from quantlab.config import TargetConfig
+from quantlab.digest import sha256_file
+from quantlab.engines.vllm import VllmEngine
+from quantlab.errors import UserError
+from quantlab.export import checkpoint, formats
+from quantlab.export.gguf import content_key
+from quantlab.hardware import Hardware
+from quantlab.schemes.registry import Applied, Support, weights_handler
+from quantlab.serving.vllm_server import BUILD, ServerArgs, python_path
+from quantlab.targets import register
+from quantlab.targets.base import Target, worst
+
+log = logging.getLogger("quantlab")
+
+# checkpoint format -> the CPU flag vLLM's CPU build needs for it (None: not known to run there)
+_CPU_NEEDS = {"pack-quantized": "avx512_bf16", "float-quantized": None}
+_KV = {"": "auto", "kvfp8": "fp8"}
+
+
+@dataclass
+class VllmTargetConfig(TargetConfig):
+    """``python``: vLLM's venv interpreter (None: ``$QUANTLAB_VLLM_PYTHON``).
+    ``dtype``: the server's ``--dtype`` (``auto``: the checkpoint's).
+    ``max_num_seqs``: sequences the scheduler runs at once (the load probe
+    restarts the server with ``probe.load.max_batch``). ``kv_cache_gib``: the
+    CPU build's KV-cache budget. ``logprobs_topk``: k > 0 (default 20) asks
+    the server for the top k log-probabilities per position (fidelity then
+    logs a top-k KL, a lower bound named apart from ``fid/kl_mean``;
+    perplexity and lm-eval need only the actual token's, which the server
+    always returns); 0 asks for whole distributions (exact KL; about 0.9 s per
+    position at SmolLM2's 49,152-token vocabulary on 2 cores). ``port``: None
+    picks a free one."""
+
+    name: str = "vllm"
+    device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda")})  # which vLLM build
+    python: Optional[str] = None
+    dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
+    max_num_seqs: int = field(default=8, metadata={"min": 1})
+    max_model_len: int = field(default=2048, metadata={"min": 16})
+    kv_cache_gib: float = field(default=1.0, metadata={"above": 0})
+    threads: Optional[int] = field(default=None, metadata={"min": 1})
+    logprobs_topk: int = field(default=20, metadata={"min": 0})
+    port: Optional[int] = field(default=None, metadata={"min": 1})
+    ready_timeout_s: float = field(default=600.0, metadata={"above": 0})
+    enforce_eager: bool = True
+    export_cache: str = "~/.cache/quantlab/vllm-exports"
+
+
+class VllmTarget(Target):
+    name = "vllm"
+    cfg: VllmTargetConfig
+
+    def __init__(self, cfg: VllmTargetConfig):
+        super().__init__(cfg)
+        self._weights: Any = None
+
+    def hardware(self) -> Hardware | None:
+        if not python_path(self.cfg.python):
+            return None
+        return hardware.cpu() if self.cfg.device == "cpu" else hardware.cuda(0)
+
+    def missing_reason(self) -> str:
+        if python_path(self.cfg.python):
+            return "target.device=cuda and no CUDA device is visible to torch here"
+        where = self.cfg.python or "$QUANTLAB_VLLM_PYTHON"
+        return (f"vLLM's interpreter not found ({where}): vLLM runs from its own venv; {BUILD} builds one and "
+                "prints its python (set target.python or QUANTLAB_VLLM_PYTHON to it)")
+
+    def supports(self, weights: Any, kv: Any) -> Support:
+        hw = self.hardware()
+        if hw is None:
+            return Support("unsupported", self.missing_reason())
+        m = weights_handler(weights).mapping("checkpoint", weights)
+        if not m.ok:
+            w = Support("unsupported", f"vLLM serves quantlab's checkpoint export, and {m.reason}")
+        elif why := _unreadable(m.spec):
+            w = Support("unsupported", why)
+        elif hw.device == "cpu" and (why := _cpu_blocker(m.spec, hw)):
+            w = Support("unsupported", why)
+        else:
+            w = Support("real", f"vLLM on compressed-tensors {m.spec['format']}" if m.spec["format"] != "hf"
+                        else "")
+        kv_name = kv.short_name()
+        k = (Support("real", f"--kv-cache-dtype {_KV[kv_name]}" if kv_name else "") if kv_name in _KV else
+             Support("unsupported", f"{kv_name}: quantlab's cache layout has no vLLM --kv-cache-dtype (fp8 maps)"))
+        return worst([w, k])
+
+    def apply_weights(self, model: torch.nn.Module, weights: Any, ctx) -> Applied:
+        self._weights = weights  # the export needs the scheme's checkpoint mapping
+        return super().apply_weights(model, weights, ctx)
+
+    def engine(self, model: torch.nn.Module, kv: Applied, tokenizer) -> VllmEngine:
+        """Export (or reuse) the point's checkpoint, then start the server on it."""
+        t = time.perf_counter()
+        spec = formats.mapping("checkpoint", self._weights)
+        path, cached = self._export(model, tokenizer, spec)
+        export_s = time.perf_counter() - t
+        dtype = spec["dtype"] if self.cfg.dtype == "auto" else self.cfg.dtype
+        args = ServerArgs(path, dtype=dtype, max_num_seqs=self.cfg.max_num_seqs,
+                          max_model_len=min(self.cfg.max_model_len, model.config.max_position_embeddings),
+                          kv_cache_dtype=_KV[kv.config.short_name()], kv_cache_gib=self.cfg.kv_cache_gib,
+                          max_logprobs=-1 if not self.cfg.logprobs_topk else self.cfg.logprobs_topk,
+                          threads=self.cfg.threads, enforce_eager=self.cfg.enforce_eager)
+        log.info("vllm: starting the server on %s (%s, dtype %s)", path.name, spec["format"], dtype)
+        eng = VllmEngine(python_path(self.cfg.python), args, model.config.vocab_size, self.cfg.port,
+                         self.cfg.ready_timeout_s, self.cfg.logprobs_topk)
+        eng.ready_s = time.perf_counter() - t
+        eng.metrics.update({"compile/vllm_export_s": export_s, "compile/vllm_export_cached": float(cached),
+                            "size/checkpoint_mb": sum(f.stat().st_size for f in path.iterdir()) / 2**20})
+        return eng
+
+    def _export(self, model: torch.nn.Module, tokenizer, spec: dict) -> tuple[Path, bool]:
+        root = Path(self.cfg.export_cache).expanduser()
+        key = content_key(model, extra="ct-export-v1|" + json.dumps(spec, sort_keys=True))
+        path, stamp = root / key, root / f"{key}.json"
+        if path.is_dir() and stamp.is_file():
+            want = json.loads(stamp.read_text())["sha256"]
+            if {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()} != want:
+                raise UserError(f"vllm: export cache entry {path} is corrupt (sha256 differs from {stamp.name}); "
+                                "delete both to re-export")
+            return path, True
+        tmp = root / f".{key}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        # a same-architecture fp32 skeleton for the compressor: every weight is overwritten from the point
+        skeleton = type(model)(copy.deepcopy(model.config)).float()
+        fmt = checkpoint.write(model, tokenizer, spec, skeleton, tmp)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        tmp.replace(path)
+        stamp.write_text(json.dumps({"sha256": files, "format": fmt}))
+        log.info("vllm: checkpoint written: %s (%s)", path, fmt)
+        return path, False
+
+
+def _groups(spec: dict) -> list[dict]:
+    return list(spec["candidates"].values()) if "candidates" in spec else [spec]
+
+
+def _unreadable(spec: dict) -> str:
+    """Why vLLM cannot read a checkpoint mapping quantlab writes ('' when it can).
+    Measured on vLLM 0.32: it takes every ``int-quantized`` group for an
+    activation-quantized (W8A8) one and asserts on a weight-only int8 group."""
+    if any(g["format"] == "int-quantized" and not g.get("input_activations") for g in _groups(spec)):
+        return ("vLLM reads compressed-tensors int-quantized groups as W8A8 and rejects weight-only int8 "
+                "(AssertionError in its compressed-tensors config); its W8A16 layout is pack-quantized int8, "
+                "which quantlab's export does not write yet")
+    return ""
+
+
+def _cpu_blocker(spec: dict, hw: Hardware) -> str:
+    """Why vLLM's CPU build on ``hw`` cannot run a checkpoint mapping ('' when it can)."""
+    for f in [g["format"] for g in _groups(spec)]:
+        if f not in _CPU_NEEDS:
+            continue
+        need = _CPU_NEEDS[f]
+        if need is None:
+            return (f"{f} checkpoints are not known to run on vLLM's CPU build (not tried here); "
+                    "target=vllm target.device=cuda on a GPU")
+        if not hw.has_any(need):
+            return (f"{f} on vLLM's CPU build needs {need.upper()} (its int4 W4A16 kernels, cpu_gemm_wna16); "
+                    f"this CPU ({hw.name}) lacks it")
+    return ""
+
+
+register(VllmTargetConfig, VllmTarget)
