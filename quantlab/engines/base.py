@@ -18,7 +18,7 @@ from quantlab.decode import Clock, Decoded, greedy
 # next-token distributions (an engine that returns only its top k says so, and
 # offers ``topk_logprobs``); ``batch``: decode several sequences in one call;
 # ``continuous``: serve through the engine's own continuous-batching scheduler.
-CAPABILITIES = ("logits", "cache", "stages", "roofline", "energy", "batch", "continuous")
+CAPABILITIES = ("cache", "stages", "roofline", "energy", "batch", "continuous", "logits")
 
 
 class Engine(abc.ABC):
