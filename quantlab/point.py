@@ -78,13 +78,15 @@ class Identity:
     """What names a point: ``scheme`` (``int4-g64+kv8``), ``weights``
     (``int4-g64``), ``kv`` (``kv8``, or '' for the unquantized cache),
     ``target`` (``cpu+compile``) and ``hash`` (16 hex digits of the semantic
-    config, quantlab's code version and the data files' sha256)."""
+    config, quantlab's code version ``code`` and the data files' sha256 ``data``)."""
 
     scheme: str
     weights: str
     kv: str
     target: str
     hash: str
+    code: str
+    data: str
 
     @property
     def name(self) -> str:
@@ -102,7 +104,7 @@ def identify(cfg: Any, as_dict: dict[str, Any], code: str, data: str) -> Identit
     semantic["code"], semantic["data"] = code, data
     digest = hashlib.sha256(json.dumps(semantic, sort_keys=True).encode()).hexdigest()[:16]
     weights, kv = cfg.scheme.weights.short_name(), cfg.scheme.kv.short_name()
-    return Identity(f"{weights}{'+' + kv if kv else ''}", weights, kv, target_label(cfg.target), digest)
+    return Identity(f"{weights}{'+' + kv if kv else ''}", weights, kv, target_label(cfg.target), digest, code, data)
 
 
 def find_sweep(sweeps: list[tuple[str, dict[str, str]]], sweep: str) -> tuple[str, dict[str, str]]:
