@@ -59,6 +59,29 @@ def test_lm_eval_parity_with_direct_run(tiny, tmp_path):
     assert len(samples["arc_easy_local"]) == 24
 
 
+@needs_data
+def test_lambada_items_are_nlls_so_a_worse_model_loses(tiny, tmp_path):
+    """lm-eval logs LAMBADA's per-document log-likelihood under ``perplexity``;
+    quantlab keeps NLLs, so exp(mean) is lm-eval's perplexity and a model that
+    gives the documents less probability shows a positive loss (the sign
+    flipped before: a worse model gained)."""
+    from quantlab import decision
+
+    model, tok = tiny
+    cfg = AccuracyProbeConfig(enabled=True, tasks=["lambada_openai_local"], limit=12, batch_size=4)
+    key = "perplexity/lambada_openai_local"
+    base_m, _, base_i = accuracy.evaluate(TorchEngine(model), tok, cfg, str(SHARED_DATA), str(tmp_path), seed=0)
+    assert min(base_i[key]) > 0 and math.exp(sum(base_i[key]) / 12) == pytest.approx(base_m[key], rel=1e-9)
+    assert f"{key}_ln_stderr" in base_m and "perplexity_stderr/lambada_openai_local" not in base_m
+    worse = models.tiny_model(ModelConfig(name="tiny", source="tiny"))
+    with torch.no_grad():
+        worse.lm_head.weight.mul_(0.2).add_(0.05 * torch.randn_like(worse.lm_head.weight))
+    m, _, i = accuracy.evaluate(TorchEngine(worse), tok, cfg, str(SHARED_DATA), str(tmp_path), seed=0)
+    assert m[key] > base_m[key]  # lm-eval's own perplexity: worse
+    lo = decision.loss(key, m, i, base_m, base_i)
+    assert lo.bounded and lo.value == pytest.approx(1 - base_m[key] / m[key], rel=1e-6) and lo.value > 0
+
+
 def test_sample_indices_fixed_by_seed():
     a = accuracy.sample_indices(1000, 50, 0, "t")
     assert a == accuracy.sample_indices(1000, 50, 0, "t") and len(set(a)) == 50

@@ -156,25 +156,46 @@ def evaluate(engine, tokenizer, cfg: AccuracyProbeConfig, data_dir: str | None,
                           fewshot_random_seed=seed, bootstrap_iters=0)
     items = document_scores(res.get("samples", {}))
     metrics = flatten_results(res["results"])
-    metrics.update({k.replace("/", "_stderr/", 1): mean_stderr(v) for k, v in items.items()
-                    if not k.startswith("doc_ids/")})
+    metrics.update(item_stderrs(items))
     return metrics, res["results"], items
 
 
+# lm-eval metrics whose per-document value is the document's log-likelihood
+# (aggregated as exp(-mean)): kept as NLL so that lower is better per item too
+# and the paired mean difference is ln(PPL(point) / PPL(base)).
+LOGLIKELIHOOD_ITEMS = ("perplexity",)
+
+
 def document_scores(samples: dict[str, list[dict]]) -> dict[str, list[float]]:
-    """Per-document 0/1 scores from lm-eval's logged samples, in doc-id order:
+    """Per-document scores from lm-eval's logged samples, in doc-id order:
     ``{"acc/<task>": [...], "doc_ids/<task>": [...]}`` for every numeric metric
-    that scores one document (acc, acc_norm, exact_match; not corpus-level
-    perplexities, whose per-document values are tuples)."""
+    that scores one document: 0/1 for acc, acc_norm, exact_match; the
+    document's negative log-likelihood for ``perplexity`` (LAMBADA: lm-eval
+    logs the log-likelihood, whose sign would read as a gain). Not
+    corpus-level perplexities, whose per-document values are tuples."""
     out: dict[str, list[float]] = {}
     for task, rows in samples.items():
         rows = sorted(rows, key=lambda r: r["doc_id"])
         for metric in rows[0].get("metrics", []) if rows else []:
             values = [r.get(metric) for r in rows]
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-                out[f"{metric}/{task}"] = [float(v) for v in values]
+                sign = -1.0 if metric in LOGLIKELIHOOD_ITEMS else 1.0
+                out[f"{metric}/{task}"] = [sign * float(v) for v in values]
         if any(k.endswith(f"/{task}") for k in out):
             out[f"doc_ids/{task}"] = [float(r["doc_id"]) for r in rows]
+    return out
+
+
+def item_stderrs(items: dict[str, list[float]]) -> dict[str, float]:
+    """The standard error each per-document list gives, named as the report
+    reads it: ``acc_stderr/<task>`` for scores, ``perplexity/<task>_ln_stderr``
+    (the se of ln PPL, i.e. of the mean NLL) for log-likelihood metrics."""
+    out = {}
+    for k, v in items.items():
+        metric, _, task = k.partition("/")
+        if metric == "doc_ids":
+            continue
+        out[f"{k}_ln_stderr" if metric in LOGLIKELIHOOD_ITEMS else f"{metric}_stderr/{task}"] = mean_stderr(v)
     return out
 
 
