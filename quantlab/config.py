@@ -96,13 +96,19 @@ class LatencyProbeConfig:
 
 @dataclass
 class FidelityProbeConfig:
-    """KL divergence and top-1 agreement against the reference model's logits."""
+    """KL divergence and top-1 agreement against the reference model's logits.
+    ``parity``: on targets that serve an exported file (llamacpp, vllm), the
+    same statistics against quantlab's in-memory point (``parity/*``) and the
+    common prefix of ``parity_tokens`` greedy tokens: the artifact measured is
+    the point quantized."""
 
     enabled: bool = True
     corpus: str = "builtin"
     tokens: int = field(default=256, metadata={"min": 2})
     reference_dtype: str = "float32"
     topk: int = field(default=20, metadata={"min": 1})  # engines that return only their top k (vllm)
+    parity: bool = True
+    parity_tokens: int = field(default=32, metadata={"min": 1})
 
 
 @dataclass

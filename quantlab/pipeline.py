@@ -213,7 +213,7 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
                               "compile/enabled": float(bool(getattr(cfg.target, "compile", False))),
                               **engine.metrics})
             if reference is not None:
-                _fidelity(cfg, name, engine, reference, m)
+                _fidelity(cfg, name, engine, reference, m, model if target.serves_export else None)
             _accuracy(cfg, name, engine, tok, m)
             _cache(cfg, name, engine, model.config, tok, compute_bytes, m)
             if cfg.probe.latency.enabled:
@@ -242,17 +242,29 @@ def _reference(cfg: RunConfig, name: str, tok, m: Measurement):
     return None
 
 
-def _fidelity(cfg: RunConfig, name: str, engine, reference, m: Measurement) -> None:
+def _fidelity(cfg: RunConfig, name: str, engine, reference, m: Measurement, point_model=None) -> None:
     """KL and top-1 against the reference: over whole distributions, or where
-    the engine returns only its top k, the top-k lower bound (named apart)."""
+    the engine returns only its top k, the top-k lower bound (named apart).
+    ``point_model``: quantlab's in-memory point behind an exported artifact;
+    the same statistics against it are logged as ``parity/*``."""
     ids, ref = reference
+    fid = cfg.probe.fidelity
     log.info("[%s] fidelity probe (%d tokens)", name, ids.shape[1])
     if why := engine.cannot("logits"):
-        vals, top = engine.topk_logprobs(ids, cfg.probe.fidelity.topk)
-        m.metrics.update(fidelity.compare_topk(ref, vals, top, engine.token_logprobs(ids)[0][0], ids[0, 1:]))
-        m.tags["probe.fidelity.kl"] = f"top-{cfg.probe.fidelity.topk} lower bound ({why})"
+        vals, top = engine.topk_logprobs(ids, fid.topk)
+        actual = engine.token_logprobs(ids)[0][0]
+        score = lambda r: fidelity.compare_topk(r, vals, top, actual, ids[0, 1:])  # noqa: E731
+        m.tags["probe.fidelity.kl"] = f"top-{fid.topk} lower bound ({why})"
+    else:
+        logp = fidelity.logprobs(engine, ids)
+        score = lambda r: fidelity.compare(r, logp, ids[0, 1:])  # noqa: E731
+    m.metrics.update(score(ref))
+    if point_model is None or not fid.parity:
         return
-    m.metrics.update(fidelity.compare(ref, fidelity.logprobs(engine, ids), ids[0, 1:]))
+    log.info("[%s] parity: the served artifact against quantlab's in-memory point", name)
+    local = TorchEngine(point_model, next(point_model.parameters()).device)
+    m.metrics.update(fidelity.as_parity(score(fidelity.logprobs(local, ids))))
+    m.metrics.update(fidelity.greedy_parity(engine, local, ids[:, : min(32, ids.shape[1])], fid.parity_tokens))
 
 
 def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:

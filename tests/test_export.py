@@ -46,12 +46,12 @@ layers:
 """
 
 
-@pytest.mark.parametrize("scheme,fmt", [("int8", "compressed-tensors/int-quantized"),
+@pytest.mark.parametrize("scheme,fmt", [("int8", "compressed-tensors/pack-quantized"),
                                         ("int4-g32", "compressed-tensors/pack-quantized"),
                                         ("int4-g32-sym", "compressed-tensors/pack-quantized"),
                                         ("awq-g32", "compressed-tensors/pack-quantized"),
                                         ("w8a8-sq", "compressed-tensors/int-quantized"),
-                                        ("mixed", "compressed-tensors/mixed-precision"),
+                                        ("mixed", "compressed-tensors/pack-quantized"),
                                         ("fp8-e4m3", "compressed-tensors/float-quantized"),
                                         ("fp8-w8a8", "compressed-tensors/float-quantized"),
                                         ("bf16", "hf-bfloat16")])
@@ -89,22 +89,32 @@ def test_mixed_export_has_a_group_per_candidate(store, tmp_path):
     out = tmp_path / "mixed"
     manifest = run.export_run(client, ids["mixed"], out)
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert qcfg["format"] == "mixed-precision"
+    assert qcfg["format"] == "pack-quantized"  # int8 and int4 groups share compressed-tensors' format
     groups = {(g["format"], g["weights"]["num_bits"], g["weights"].get("block_structure") and
                g["weights"]["block_structure"][1]): set(g["targets"]) for g in qcfg["config_groups"].values()}
-    assert groups[("int-quantized", 8, None)] == {"model.layers.0.mlp.down_proj"}
+    assert groups[("pack-quantized", 8, None)] == {"model.layers.0.mlp.down_proj"}
     assert groups[("pack-quantized", 4, 32)] == {"model.layers.0.self_attn.q_proj"}
     g64 = groups[("pack-quantized", 4, 64)]
     assert len(groups) == 3 and "model.layers.1.mlp.down_proj" in g64
     assert not any("model.layers.1.mlp.up_proj" in t for t in groups.values())
     tensors = load_file(out / "model.safetensors")
-    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    assert _unpacked(tensors, "model.layers.0.mlp.down_proj", 8).dtype == torch.int8
     assert tensors["model.layers.1.mlp.up_proj.weight"].is_floating_point()
     assert manifest["round_trip"]["passed"] and manifest["round_trip"]["kl_mean"] < 1e-4
 
 
+def _unpacked(tensors: dict, module: str, bits: int) -> torch.Tensor:
+    """The integers of a ``pack-quantized`` module (``weight_packed``, int32)."""
+    from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+
+    packed = tensors[f"{module}.weight_packed"]
+    assert packed.dtype == torch.int32
+    return unpack_from_int32(packed, bits, torch.Size(tensors[f"{module}.weight_shape"].tolist()))
+
+
 def test_export_holds_the_same_integers(store, tmp_path):
-    """The int8 checkpoint stores exactly the integers the point computed with."""
+    """The int8 checkpoint (pack-quantized, four to an int32) stores exactly
+    the integers the point computed with."""
     from quantlab.compose import config_from_dict
     from quantlab.export.run import rebuild
     import yaml
@@ -112,9 +122,7 @@ def test_export_holds_the_same_integers(store, tmp_path):
     client, ids, d = store
     out = tmp_path / "int8"
     run.export_run(client, ids["int8"], out)
-    tensors = load_file(out / "model.safetensors")
-    stored = tensors["model.layers.0.mlp.down_proj.weight"]
-    assert stored.dtype == torch.int8
+    stored = _unpacked(load_file(out / "model.safetensors"), "model.layers.0.mlp.down_proj", 8)
     cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int8"], "config.yaml", str(tmp_path))).read_text()))
     model = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
     assert torch.equal(stored, model.model.layers[0].mlp.down_proj.qweight)
@@ -145,7 +153,9 @@ def test_w8a8_reload_quantizes_its_activations(store, tmp_path, monkeypatch):
 
 def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path):
     """Four bits a weight on disk (eight to an int32), and the very integers and
-    zero points the point's kernel computes with."""
+    zero points the point's kernel computes with; the zero points packed too
+    (``group``, the layout vLLM reads), the manifest says how transformers
+    reloads it (``dequantize=True``)."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from quantlab.compose import config_from_dict
     from quantlab.export.run import rebuild
@@ -162,7 +172,14 @@ def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path)
     q, scale, zero_point = model.model.layers[0].mlp.down_proj.int_weights()
     assert packed.dtype == torch.int32 and packed.numel() * 8 == q.numel()
     assert torch.equal(unpack_from_int32(packed, 4, q.shape).to(torch.int32), (q - 8).to(torch.int32))
-    assert torch.equal(zp.to(torch.int32), (zero_point - 8).to(torch.int32))
+    assert zp.dtype == torch.int32 and zp.numel() * 8 == zero_point.numel()
+    assert torch.equal(unpack_from_int32(zp, 4, zero_point.shape, packed_dim=0).to(torch.int32),
+                       (zero_point - 8).to(torch.int32))
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "weights"]["strategy"] == "group"
+    manifest = json.loads((out / "quantlab.json").read_text())
+    assert manifest["transformers_load"]["quantization_config"] == {"dequantize": True}
+    assert manifest["round_trip"]["passed"]
     assert t["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.bfloat16
     assert torch.equal(t["model.layers.0.mlp.down_proj.weight_scale"].float(), scale)
 

@@ -130,7 +130,7 @@ def test_a_recipe_runs_as_a_point_and_beats_uniform_int4_at_a_higher_budget(tmp_
     assert m.metrics["size/weight_bytes"] > u.metrics["size/weight_bytes"]
     counts = {k.rsplit(".", 1)[-1]: int(v) for k, v in m.tags.items() if k.startswith("mixed.layers.")}
     assert sum(counts.values()) == 14 and counts.get("int8", 0) >= 1
-    assert m.tags["exportable.checkpoint"] == "compressed-tensors/mixed-precision"
+    assert m.tags["exportable.checkpoint"] == "compressed-tensors/pack-quantized"  # int8 + int4 groups
     assert m.tags["exportable.gguf"].startswith("no: mixed-6b: mixed recipes do not export to GGUF yet")
 
 

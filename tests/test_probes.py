@@ -141,3 +141,31 @@ def test_token_ids_fixed_length_and_deterministic():
     tok = models.byte_tokenizer()
     a = corpus.token_ids(tok, "builtin", 5000)
     assert a.shape == (1, 5000) and torch.equal(a, corpus.token_ids(tok, "builtin", 5000))
+
+
+class _Scripted:
+    """An engine whose greedy decode returns a fixed token list."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def decode(self, prompt, n_new):
+        from quantlab.decode import Decoded
+
+        return Decoded(prefill_ms=1.0, chosen=[torch.tensor([[t]]) for t in self.tokens[:n_new]])
+
+
+@pytest.mark.parametrize("a,b,same", [([1, 2, 3, 4], [1, 2, 3, 4], 4), ([1, 2, 3, 4], [1, 2, 9, 4], 2),
+                                      ([5, 2, 3, 4], [1, 2, 3, 4], 0)])
+def test_greedy_parity_is_the_common_prefix(a, b, same):
+    out = fidelity.greedy_parity(_Scripted(a), _Scripted(b), torch.tensor([[0, 1]]), 4)
+    assert out == {"parity/greedy_match_tokens": same, "parity/greedy_tokens": 4}
+
+
+def test_parity_statistics_are_fidelity_renamed():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.log_softmax(torch.randn(8, 10, generator=g), -1)
+    fid = fidelity.compare(ref, ref, torch.arange(7))
+    par = fidelity.as_parity(fid)
+    assert par["parity/kl_mean"] == 0.0 and par["parity/top1_agree"] == 1.0 and par["parity/ln_ppl_ratio"] == 0.0
+    assert set(par) == {"parity/" + k[4:] for k in fid}

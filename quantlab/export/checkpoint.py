@@ -2,12 +2,13 @@
 checkpoint directory that transformers and vLLM load.
 
 * float schemes: plain safetensors in the scheme's dtype;
-* int8 / int4 RTN / GPTQ / AWQ / FP8 / W8A8 / mixed: compressed-tensors: int8
-  per channel as ``int-quantized`` (W8A8 adds dynamic per-token int8 input
-  activations), int4 packed eight to an int32 as ``pack-quantized``
+* int8 / int4 RTN / GPTQ / AWQ / FP8 / W8A8 / mixed: compressed-tensors:
+  weight-only int8 per channel packed four to an int32 as ``pack-quantized``
+  (W8A16, the layout vLLM reads), W8A8 as ``int-quantized`` with dynamic
+  per-token int8 input activations, int4 packed eight to an int32 as ``pack-quantized``
   (asymmetric groups as ``block [1, g]`` with int8 zero points, see
   ``schemes.int4.checkpoint``), FP8 as ``float-quantized``, mixed recipes as
-  ``mixed-precision`` (one config group per candidate).
+  one config group per candidate (``mixed-precision`` where their formats differ).
 
 The integers written are the point's own (compressed-tensors re-derives them
 exactly from the fp32 dequantized weights and the point's scales).
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from quantlab.export.formats import format_name
+from quantlab.export.formats import format_name, groups
 from quantlab.schemes.qlinear import QUANTIZED, FP8Linear, dequantized
 
 log = logging.getLogger("quantlab")
@@ -28,7 +29,7 @@ log = logging.getLogger("quantlab")
 
 def _ct_config(model, spec: dict):
     """compressed-tensors QuantizationConfig (the scheme's ``checkpoint`` mapping)
-    over the quantized modules of ``model``. A ``mixed-precision`` mapping
+    over the quantized modules of ``model``. A mixed mapping
     (``candidates``, ``layers``, ``default``) gives one config group per
     candidate, each with its own format; every other mapping one group."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
@@ -99,6 +100,21 @@ def write(model, tok, spec: dict, dense, dest: Path) -> str:
     compressor.update_config(str(dest))
     tok.save_pretrained(dest)
     return format_name("checkpoint", spec)
+
+
+def transformers_load(spec: dict) -> dict:
+    """How transformers reloads a checkpoint of mapping ``spec``: the
+    ``CompressedTensorsConfig`` keywords to pass to ``from_pretrained`` and
+    why (``{}``: as is). Asymmetric ``pack-quantized`` ``group`` groups need
+    ``dequantize=True`` with transformers 5.24 / compressed-tensors 0.20.1
+    (the compressed path initialises their packed zero points unpacked and
+    the load fails on the shape); vLLM reads them packed as written."""
+    if any(g["format"] == "pack-quantized" and not g["args"]["symmetric"] and g["args"]["strategy"] == "group"
+           for g in groups(spec)):
+        return {"quantization_config": {"dequantize": True},
+                "why": "asymmetric pack-quantized zero points: transformers' compressed path initialises them "
+                       "unpacked (shape mismatch); dequantize=True decompresses them with compressed-tensors"}
+    return {}
 
 
 @contextlib.contextmanager

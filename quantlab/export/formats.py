@@ -25,6 +25,12 @@ def format_name(fmt: str, spec: dict[str, Any]) -> str:
     return f"hf-{spec['dtype']}" if spec["format"] == "hf" else f"compressed-tensors/{spec['format']}"
 
 
+def groups(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The config groups of a checkpoint mapping: a mixed mapping's candidates,
+    else the mapping itself."""
+    return list(spec["candidates"].values()) if "candidates" in spec else [spec]
+
+
 def exportable_tags(weights: Any) -> dict[str, str]:
     """``exportable.<format>`` tags for a point of weight scheme ``weights``: what
     ``quantlab.export`` will write, or ``no: <why>`` (so the command line can

@@ -27,7 +27,6 @@ model, ``default`` pre-tokenizer).
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -251,12 +250,3 @@ def tensor_bytes(path: Path) -> float:
     import gguf
 
     return float(sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors))
-
-
-def content_key(model: torch.nn.Module, extra: str = "") -> str:
-    """sha256 over every tensor the point holds (and ``extra``): the GGUF cache key."""
-    h = hashlib.sha256(extra.encode())
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:24]

@@ -94,7 +94,8 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
             ref_file = Path(ref_dir) / "reference.safetensors"
             save_file({"ids": ids, "logits": logits.contiguous(), "greedy": greedy,
                        "float_logits": float_logits.contiguous()}, ref_file)
-            check = roundtrip.verify_in_fresh_process(tmp, ref_file)
+            load = checkpoint.transformers_load(spec)
+            check = roundtrip.verify_in_fresh_process(tmp, ref_file, dequantize=bool(load))
         check.update(roundtrip.round_trip_verdict(check, point_from_float, tolerance))
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {"source_run_id": run_id, "run_name": run.info.run_name, "format": fmt,
@@ -102,7 +103,7 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
                     "model": dataclasses.asdict(cfg.model),
                     "metrics": run.data.metrics, "versions": tracking.versions(
                         ("torch", "transformers", "compressed-tensors", "torchao", "quantlab")),
-                    "round_trip": check, "files_sha256": files,
+                    "round_trip": check, "transformers_load": load, "files_sha256": files,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         (tmp / "quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
         tags = {"export.format": fmt, "export.round_trip": "passed" if check["passed"] else "failed",

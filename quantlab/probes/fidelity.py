@@ -122,3 +122,23 @@ def reference(key: dict, ids: torch.Tensor, cache_dir: str, build: Callable[[], 
     save_file({"logp": logp.contiguous()}, tmp)
     tmp.replace(path)
     return logp
+
+
+def as_parity(metrics: dict[str, float]) -> dict[str, float]:
+    """``fid/*`` statistics computed against quantlab's in-memory point instead
+    of the reference, renamed ``parity/*``: how far the served artifact is from
+    the point quantlab quantized (0 KL, agreement 1: the same model)."""
+    return {"parity/" + k.removeprefix("fid/"): v for k, v in metrics.items()}
+
+
+def greedy_parity(served, local, prompt: torch.Tensor, n_new: int) -> dict[str, float]:
+    """Greedy continuations of ``prompt`` (``[1, T]``) by the served engine and
+    by the in-memory one: ``parity/greedy_match_tokens``, the length of their
+    common prefix out of ``parity/greedy_tokens``."""
+    a, b = (_token_list(e.decode(prompt, n_new).chosen) for e in (served, local))
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {"parity/greedy_match_tokens": float(same), "parity/greedy_tokens": float(n_new)}
+
+
+def _token_list(chosen: list) -> list[int]:
+    return [int(np.asarray(c).reshape(-1)[0]) for c in chosen]

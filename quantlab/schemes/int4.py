@@ -55,19 +55,24 @@ def apply(model: torch.nn.Module, cfg: Int4Scheme, ctx: ApplyContext) -> Applied
     return Applied(backend="aten._weight_int4pack_mm_for_cpu", emulated=False)
 
 
-def checkpoint(cfg) -> Mapping:
+def checkpoint(cfg, asymmetric_as: str = "group") -> Mapping:
     """compressed-tensors ``pack-quantized`` int4 (RTN and GPTQ alike): eight
     values per int32, scales in the compute dtype (where the point keeps
     them, so they are exact). Symmetric: ``group`` strategy, no zero points.
-    Asymmetric: the same groups written as ``block`` ``[1, group]`` with int8
-    zero points: compressed-tensors 0.20.1 packs ``group`` zero points on
-    save but its meta-device init (what transformers 5.24 loads into) keeps
-    them unpacked, so a ``group`` asymmetric checkpoint fails to reload with a
-    shape mismatch; ``block`` zero points are stored and initialised unpacked.
-    (vLLM's int4 kernels read ``group``/``channel`` strategies; whether it
-    reads the ``block`` layout is unverified here.)"""
+    Asymmetric (``asymmetric_as="group"``): ``group`` with the zero points
+    packed eight to an int32 along the output dimension, the layout
+    llm-compressor's W4A16_ASYM writes and vLLM's WNA16 kernels read (vLLM
+    0.32 rejects ``block`` there, measured); transformers 5.24 with
+    compressed-tensors 0.20.1 reloads it only with ``dequantize=True`` (its
+    compressed path initialises the zero points unpacked: a shape mismatch),
+    see :func:`quantlab.export.checkpoint.transformers_load`.
+    ``asymmetric_as="block"``: the same groups as ``block [1, group]`` with
+    unpacked int8 zero points, which transformers' compressed path reloads;
+    mixed recipes use it, because transformers' ``dequantize`` conversion
+    applies one layer's scheme to every layer of the same name (measured: a
+    recipe with int8 and int4 ``down_proj`` layers fails to reload)."""
     args = {"num_bits": 4, "type": "int", "symmetric": cfg.symmetric, "scale_dtype": cfg.compute_dtype}
-    if cfg.symmetric:
+    if cfg.symmetric or asymmetric_as == "group":
         args.update(strategy="group", group_size=cfg.group_size)
     else:
         args.update(strategy="block", block_structure=[1, cfg.group_size])

