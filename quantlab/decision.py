@@ -1,35 +1,53 @@
-"""What a point loses against the sweep's baseline, with a pessimistic bound.
+"""What a point loses against the sweep's baseline, with a one-sided upper
+confidence bound (:class:`quantlab.uncertainty.Bound`).
 
 The decision metric's loss is relative and oriented so that 0 means nothing
-lost: ``1 - point / baseline`` for accuracies, ``1 - PPL(baseline) / PPL(point)``
-for perplexities (both as llm-compressor's recovery), ``1 - agreement`` for
-top-1 agreement with the reference, and the value itself for KL divergence.
+lost: ``1 - point / baseline`` for accuracies (the baseline's accuracy taken
+as known), ``1 - PPL(baseline) / PPL(point)`` for perplexities (both as
+llm-compressor's recovery), ``1 - agreement`` for top-1 agreement with the
+reference, and the value itself for KL divergence.
 
-Where both runs logged their per-item values (``items.json``: token NLLs,
-0/1 document scores) the loss comes from the *paired* differences on the same
-items, and its upper bound is the loss at the 95 % end of that difference
-(``quantlab.uncertainty``). A budget decision uses that upper bound, so noise
-can never qualify a point. Without per-item values the bound equals the
-estimate and the loss is marked unbounded.
+Bounds, each one-sided at ``uncertainty.LEVEL`` (see :mod:`quantlab.uncertainty`):
+- both runs logged per-item values (``items.json``) on the same items:
+  accuracies by Tango's score bound on the paired documents, perplexities by
+  the t-interval on block means of the paired per-token NLL differences;
+- without them, where both runs logged standard errors: the unpaired normal
+  bound (``"unpaired"``: wider than a paired one would be);
+- KL and top-1 from the point's own fidelity statistics (block standard
+  errors; top-1 also no lower than Clopper-Pearson at the effective n);
+- else the estimate alone (``bounded`` false: the report says so).
+The baseline's own loss is exactly 0.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from quantlab.uncertainty import Z, Paired, paired
+from quantlab import uncertainty
+from quantlab.uncertainty import Bound, Paired, paired
 
 HIGHER_IS_BETTER = ("acc/", "acc_norm/", "exact_match/")
 LOWER_IS_BETTER = ("ppl_token_wikitext2_w", "perplexity/", "word_perplexity/", "byte_perplexity/",
                    "bits_per_byte/")
+TOKEN_ITEMS = ("ppl_token_wikitext2_w",)  # per-item values are consecutive tokens, not documents
 KL = ("fid/kl", "kvfid/kl")
+AUXILIARY = ("_windows", "_stderr", "_stderr_tokens", "_blocks")  # logged beside a metric, not metrics
 
 
 @dataclass(frozen=True)
 class Loss:
     value: float
-    upper: float  # 95 % pessimistic bound; == value when unbounded
+    bound: Bound
     bounded: bool
+
+    @property
+    def upper(self) -> float:
+        return self.bound.upper
+
+
+def auxiliary(key: str) -> bool:
+    """``key`` is logged beside a metric (its se, block or window count)."""
+    return key.endswith(AUXILIARY)
 
 
 def base_metric(metric: str) -> str:
@@ -47,34 +65,84 @@ def compare(metric: str, items: dict, base_items: dict) -> Paired | None:
     task = metric.partition("/")[2]
     if task and items.get(f"doc_ids/{task}") != base_items.get(f"doc_ids/{task}"):
         return None
-    return paired(a, b, binary=metric.startswith(HIGHER_IS_BETTER))
+    return paired(a, b, binary=metric.startswith(HIGHER_IS_BETTER), tokens=metric.startswith(TOKEN_ITEMS))
 
 
-def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items: dict) -> Loss | None:
-    """The point's loss on ``metric`` against the baseline; None if unmeasured."""
+def _clamp(f):
+    return lambda alpha: max(0.0, f(alpha))
+
+
+def _relative(ln_ratio: float) -> float:
+    """1 - PPL(base) / PPL(point) from ln(PPL(point) / PPL(base)) (no overflow)."""
+    return 1.0 - math.exp(min(-ln_ratio, 700.0))
+
+
+def _ln_stderr(metrics: dict, metric: str) -> float | None:
+    if metric.startswith(LOWER_IS_BETTER):
+        return metrics.get(f"{metric}_ln_stderr")
+    name, _, task = metric.partition("/")
+    return metrics.get(f"{name}_stderr/{task}")
+
+
+def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items: dict,
+         is_base: bool = False) -> Loss | None:
+    """The point's loss on ``metric`` against the baseline; None if unmeasured.
+    ``is_base``: the point is the baseline (loss exactly 0, for metrics
+    measured against it)."""
     metric = base_metric(metric)
     v = metrics.get(metric)
     if v is None:
         return None
     if metric.startswith(KL):
-        se = metrics.get(f"{metric}_stderr")
-        return Loss(v, v + Z * se if se is not None else v, se is not None)
+        se, m = metrics.get(f"{metric}_stderr"), int(metrics.get("fid/blocks", 0))
+        if se is None:
+            return Loss(v, uncertainty.exact(v, "estimate only"), False)
+        return Loss(v, Bound(v, lambda a: uncertainty.t_upper(v, se, m, a),
+                             f"t on {m} blocks of positions" if m else "normal, per position"), True)
     if metric == "fid/top1_agree":
-        se = metrics.get("fid/top1_agree_stderr")
-        return Loss(max(0.0, 1 - v), max(0.0, 1 - v + Z * (se or 0.0)), se is not None)
+        return _top1(v, metrics)
+    if is_base:
+        return Loss(0.0, uncertainty.exact(0.0, "the baseline"), True)
     b = base_metrics.get(metric)
     if b is None or b <= 0 or v <= 0:
         return None
     pair = compare(metric, items, base_items)
-    if metric.startswith(LOWER_IS_BETTER):
-        if pair is None:
-            est = 1 - b / v
-            return Loss(max(0.0, est), max(0.0, est), False)
-        # per-token NLL difference: its mean is ln(PPL(point) / PPL(base))
-        return Loss(max(0.0, 1 - math.exp(-pair.diff)), max(0.0, 1 - math.exp(-(pair.diff + Z * pair.stderr))), True)
-    if metric.startswith(HIGHER_IS_BETTER):
-        if pair is None:
-            est = 1 - v / b
-            return Loss(max(0.0, est), max(0.0, est), False)
-        return Loss(max(0.0, -pair.diff / b), max(0.0, (-pair.diff + Z * pair.stderr) / b), True)
-    return None
+    lower = metric.startswith(LOWER_IS_BETTER)
+    if pair is not None and lower:  # mean per-item NLL difference = ln(PPL(point) / PPL(base))
+        unit = f"{pair.units} blocks of tokens" if metric.startswith(TOKEN_ITEMS) else f"{pair.units} documents"
+        return Loss(max(0.0, _relative(pair.diff)),
+                    Bound(_relative(pair.diff), _clamp(lambda a: _relative(
+                        uncertainty.t_upper(pair.diff, pair.stderr, pair.units, a))), f"paired t on {unit}"), True)
+    if pair is not None:
+        return Loss(max(0.0, -pair.diff / b), Bound(-pair.diff / b, _clamp(
+            lambda a: uncertainty.tango_upper(pair.lost, pair.gained, pair.n, a) / b),
+            f"paired Tango score on {pair.n} documents"), True)
+    est = 1 - b / v if lower else 1 - v / b
+    se_p, se_b = _ln_stderr(metrics, metric), _ln_stderr(base_metrics, metric)
+    if se_p is None or se_b is None:
+        return Loss(max(0.0, est), uncertainty.exact(max(0.0, est), "estimate only"), False)
+    se = math.hypot(se_p, se_b)
+    if lower:  # ln PPL difference, unpaired
+        d = math.log(v / b)
+        bound = _clamp(lambda a: _relative(d + uncertainty.z(a) * se))
+    else:
+        bound = _clamp(lambda a: (b - v + uncertainty.z(a) * se) / b)
+    return Loss(max(0.0, est), Bound(est, bound, "unpaired normal (no per-item values)"), True)
+
+
+def _top1(agree: float, metrics: dict) -> Loss:
+    """1 - agreement; bound: the larger of the t-interval on block means and
+    Clopper-Pearson at the effective sample size (n over the design effect),
+    so zero disagreements never give a bound of 0."""
+    lost = max(0.0, 1 - agree)
+    if metrics.get("fid/kl_mean") == 0.0:  # identical distributions at every position: the reference itself
+        return Loss(0.0, uncertainty.exact(0.0, "the reference itself (KL exactly 0)"), True)
+    se, n = metrics.get("fid/top1_agree_stderr"), metrics.get("fid/tokens")
+    if se is None or not n:
+        return Loss(lost, uncertainty.exact(lost, "estimate only"), False)
+    m = int(metrics.get("fid/blocks", 0))
+    se_tok = metrics.get("fid/top1_agree_stderr_tokens", se)
+    n_eff = n / max(1.0, (se / se_tok) ** 2) if se_tok > 0 else n
+    return Loss(lost, Bound(lost, lambda a: max(uncertainty.t_upper(lost, se, m, a),
+                                                uncertainty.clopper_pearson_upper(lost * n_eff, n_eff, a)),
+                            f"Clopper-Pearson at effective n {n_eff:.0f} / t on {m} blocks"), True)

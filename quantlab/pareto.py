@@ -2,12 +2,17 @@
 
 Points are ``(name, cost, loss)`` with both coordinates to be minimised:
 cost is a latency or a memory figure, loss is KL divergence or a relative
-accuracy loss (1 - recovery). ``loss_upper`` is the loss's pessimistic (95 %)
-bound; a budget is met only when that bound is within it.
+accuracy loss (1 - recovery). ``loss_upper`` is the loss's one-sided 95 %
+upper bound and ``p_value(budget)`` the p-value of "loss >= budget"; a budget
+is met by the points whose hypotheses Holm's step-down rule rejects across
+every real point compared at that budget (family-wise error <= 5 %).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from quantlab.uncertainty import LEVEL, holm
 
 
 @dataclass(frozen=True)
@@ -17,6 +22,13 @@ class Point:
     loss: float
     emulated: bool = False
     loss_upper: float | None = None  # None: no uncertainty known, the estimate is the bound
+    p_value: Callable[[float], float] | None = None  # None: 0 when the bound is within the budget, else 1
+    method: str = ""  # what the bound resamples, for the report
+
+    def p_at(self, budget: float) -> float:
+        if self.p_value is not None:
+            return self.p_value(budget)
+        return 0.0 if self.upper <= budget else 1.0
 
     @property
     def upper(self) -> float:
@@ -46,13 +58,17 @@ class Recommendation:
     undecided: tuple[Point, ...] = ()
 
 
-def fastest_within(points: list[Point], budget: float, include_emulated: bool = False) -> Recommendation:
-    """The lowest-cost point whose pessimistic loss is at most ``budget``.
-    Emulated points are excluded by default: their latency is not that of the scheme."""
+def fastest_within(points: list[Point], budget: float, include_emulated: bool = False,
+                   alpha: float = 1.0 - LEVEL) -> Recommendation:
+    """The lowest-cost point among those shown to lose less than ``budget``:
+    Holm's rule over the p-values of "loss >= budget" of every compared point
+    (family-wise error at most ``alpha``, whatever their dependence). Emulated
+    points are excluded by default: their latency is not that of the scheme."""
     real = [p for p in points if include_emulated or not p.emulated]
-    ok = [p for p in real if p.upper <= budget]
+    passed = holm([p.p_at(budget) for p in real], alpha)
+    ok = [p for p, yes in zip(real, passed) if yes]
     best = min(ok, key=lambda p: (p.cost, p.upper, p.name)) if ok else None
-    undecided = tuple(sorted((p for p in real if p.loss <= budget < p.upper
+    undecided = tuple(sorted((p for p, yes in zip(real, passed) if not yes and p.loss <= budget
                               and (best is None or p.cost < best.cost)), key=lambda p: (p.cost, p.name)))
     if best is None:
         return Recommendation(None, budget, float("nan"), 0, undecided)

@@ -65,7 +65,7 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
     items = items or {}
     extra = sorted({k for r in runs for k in r.data.metrics
                     if k.startswith(("acc/", "acc_norm/", "ppl_token_wikitext2_w"))
-                    and not k.endswith(("_windows", "_stderr"))})
+                    and not decision.auxiliary(k)})
     columns = [*COLUMNS, *((k, k, "{:.4g}" if k.startswith("ppl") else "{:.3f}") for k in extra)]
     if any("load/knee_rps" in r.data.metrics for r in runs):
         columns.append(("capacity under SLO req/s", "load/knee_rps", "{:.2f}"))
@@ -82,12 +82,13 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    lines += ["", "value±se: standard error (accuracies: over documents; perplexity: delta method over "
-              "tokens; KL and top1: over positions of the fidelity text)."]
+    lines += ["", "value±se: standard error (accuracies: over documents; perplexity: delta method over blocks "
+              f"of up to {uncertainty.BLOCK} consecutive tokens; KL and top1: over blocks of positions of the "
+              "fidelity text; tokens of one text are correlated, blocks are taken as independent)."]
     if base is not None:
         lines.append(f"{NOT_SIGNIFICANT}: not significantly different from the baseline {base.info.run_name} "
-                     f"(paired on the same items: exact McNemar for accuracies, per-token NLL for "
-                     f"perplexity; p >= {uncertainty.ALPHA}).")
+                     f"(paired on the same items: exact McNemar for accuracies, t on blocks of per-token NLL "
+                     f"differences for perplexity; two-sided p >= {uncertainty.ALPHA}, per comparison).")
     origins = [f"- {r.info.run_name}: measured by run {tracking.origin(r)}, "
                f"host {r.data.tags.get(point.HOST_FINGERPRINT_TAG, r.data.tags.get(point.HOST_CPU_TAG, '?'))}"
                for r in runs if r.info.run_id in reused]
@@ -149,7 +150,7 @@ def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, flo
     out = {}
     for key, value in metrics.items():
         b = base.get(key)
-        if b is None or key.endswith(("_windows", "_stderr")):
+        if b is None or decision.auxiliary(key):
             continue
         if key.startswith(decision.HIGHER_IS_BETTER) and b > 0:
             out[f"recovery/{key}"] = value / b
@@ -173,7 +174,7 @@ def decision_metric(runs, choice: str = "auto") -> str:
     accuracy, else top-1 agreement with the reference (needs no labels)."""
     if choice != "auto":
         return decision.base_metric(choice)
-    keys = sorted({k for r in runs for k in r.data.metrics if not k.endswith(("_windows", "_stderr"))})
+    keys = sorted({k for r in runs for k in r.data.metrics if not decision.auxiliary(k)})
     for prefix in ("ppl_token_wikitext2_w", "acc_norm/", "acc/"):
         hit = [k for k in keys if k.startswith(prefix)]
         if hit:
@@ -191,15 +192,19 @@ def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -
         m = r.data.metrics
         if not tracking.done(r) or cost not in m:
             continue
-        lo = decision.loss(metric, m, items.get(r.info.run_id, {}), b_metrics, b_items)
+        is_base = base is not None and r.info.run_id == base.info.run_id
+        lo = decision.loss(metric, m, items.get(r.info.run_id, {}), b_metrics, b_items, is_base)
         if lo is not None:
             out.append(Point(r.info.run_name, m[cost], lo.value, r.data.tags.get(point.EMULATED_TAG) == "true",
-                             lo.upper if lo.bounded else None))
+                             lo.upper if lo.bounded else None, lo.bound.p_value if lo.bounded else None,
+                             lo.bound.method))
     return out
 
 
 def _loss_text(p: Point) -> str:
-    return f"{p.loss:.3g}" + ("" if p.loss_upper is None else f" (95% bound {p.loss_upper:.3g})")
+    if p.loss_upper is None:
+        return f"{p.loss:.3g} (no uncertainty logged: estimate only)"
+    return f"{p.loss:.3g} (95% one-sided upper bound {p.loss_upper:.3g}; {p.method})"
 
 
 def objective(runs, choice: str = "auto") -> str:
@@ -228,8 +233,11 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
     lines = [f"Decision rule: loss on `{metric}`{against} = "
              + ("the KL value" if kl else "1 - top-1 agreement" if metric == "fid/top1_agree" else
                 "1 - point/baseline (perplexity: 1 - baseline/point)")
-             + "; a point meets a budget when the 95% upper bound of its loss does (paired over the same "
-               f"items where both runs logged them); among those, {words} wins.", ""]
+             + f"; a point meets a budget when \"loss >= budget\" is rejected by Holm's step-down rule over the "
+               f"{len([p for p in ranked if not p.emulated])} real points compared (family-wise error <= "
+               f"{1 - uncertainty.LEVEL:.0%}; each bound one-sided {uncertainty.LEVEL:.0%}, paired over the same "
+               f"items where both runs logged them, its unit and method beside it); among those, {words} wins. "
+               f"`{NOT_SIGNIFICANT}` marks are per comparison (not corrected for multiplicity).", ""]
     lines.append("Frontier, loss vs decode latency: " + ", ".join(
         f"{p.name} ({p.cost:.2f} ms, {p.loss:.3g})" for p in frontier([p for p in lat if not p.emulated])))
     lines.append("Frontier, loss vs weight memory: " + ", ".join(

@@ -1,29 +1,114 @@
-"""Standard errors and paired tests for the figures a decision rests on.
+"""Standard errors, paired tests and upper confidence bounds for the figures a
+decision rests on.
 
-Conventions (those of lm-eval and llama.cpp's ``--kl-divergence``):
+Conventions:
 - the standard error of a mean is the sample standard deviation (``ddof=1``)
   over sqrt(n); for 0/1 outcomes that is lm-eval's ``acc_stderr``;
+- **units**: lm-eval documents are independent units; tokens are not (a
+  window's tokens share their context), so every token-level figure
+  (perplexity, KL, top-1 agreement) gets its standard error from *batch
+  means*: the mean of each of ``m`` contiguous blocks of at most ``BLOCK``
+  tokens (at least ``MIN_BLOCKS`` blocks), the blocks treated as independent
+  and the interval a t-interval on ``m - 1`` degrees of freedom. The
+  token-level figure is kept, labelled ``*_tokens``, as a secondary;
 - two points evaluated on the same items are compared *paired*: the mean of
-  the per-item differences and its standard error, and for 0/1 outcomes the
-  exact McNemar test on the discordant items;
-- intervals are normal, at ``Z`` = 1.96 (95 % two-sided).
+  the per-item differences, and for 0/1 outcomes the exact McNemar test on
+  the discordant items (the ``~`` marks, two-sided, ``ALPHA`` per comparison);
+- every upper bound on a loss is **one-sided at** ``LEVEL`` (95 %): paired
+  0/1 items by Tango's score interval for a difference of paired proportions
+  (Tango 1998, Stat Med 17:891; zero discordant items over n give about
+  z^2 / n, never 0); token-level losses by the t-interval on block means,
+  top-1 disagreement no lower than the Clopper-Pearson bound at the effective
+  sample size; without per-item values, an unpaired normal bound from both
+  runs' standard errors.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
+from scipy import stats
 
-Z = 1.96
+LEVEL = 0.95
 ALPHA = 0.05
+BLOCK = 128
+MIN_BLOCKS = 4
+
+
+def z(alpha: float) -> float:
+    """The standard normal quantile a one-sided ``alpha`` bound uses."""
+    return NormalDist().inv_cdf(1.0 - alpha)
 
 
 def mean_stderr(x: Sequence[float] | np.ndarray) -> float:
     """Standard error of the mean; 0 for fewer than two items."""
     a = np.asarray(x, dtype=np.float64)
     return float(a.std(ddof=1) / math.sqrt(a.size)) if a.size > 1 else 0.0
+
+
+def block_means(x: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Means of contiguous blocks of at most ``BLOCK`` items, at least
+    ``MIN_BLOCKS`` blocks where there are that many items (order kept)."""
+    a = np.asarray(x, dtype=np.float64).ravel()
+    if a.size == 0:
+        return a
+    m = max(min(MIN_BLOCKS, a.size), math.ceil(a.size / BLOCK))
+    return np.array([c.mean() for c in np.array_split(a, m)])
+
+
+def block_stderr(x: Sequence[float] | np.ndarray) -> tuple[float, int]:
+    """``(standard error of the mean from block means, number of blocks)``."""
+    means = block_means(x)
+    return mean_stderr(means), int(means.size)
+
+
+def t_upper(mean: float, se: float, units: int, alpha: float) -> float:
+    """One-sided ``1 - alpha`` upper bound of a mean from ``units`` independent
+    units (a t quantile; normal when ``units`` is 0: unknown)."""
+    q = z(alpha) if units <= 0 else (math.inf if units < 2 else float(stats.t.ppf(1.0 - alpha, units - 1)))
+    return mean + q * se if se > 0 else mean
+
+
+def clopper_pearson_upper(k: float, n: float, alpha: float) -> float:
+    """Exact one-sided upper bound of a proportion, ``k`` events in ``n``
+    trials (both may be effective, non-integer counts)."""
+    if n <= 0:
+        return 1.0
+    if k >= n:
+        return 1.0
+    return float(stats.beta.ppf(1.0 - alpha, k + 1.0, n - k))
+
+
+def _tango_z(loss: float, lost: int, gained: int, n: int) -> float:
+    """Tango's score statistic for H0: P(lost) - P(gained) = ``loss``."""
+    w = -lost - gained + loss * (2 * n - lost + gained)
+    q = (-w + math.sqrt(max(w * w + 8.0 * n * gained * loss * (1.0 - loss), 0.0))) / (4.0 * n)
+    var = n * (2.0 * q + loss * (1.0 - loss))
+    return (lost - gained - n * loss) / math.sqrt(var) if var > 0 else (math.inf if lost - gained > n * loss else
+                                                                         -math.inf if lost - gained < n * loss
+                                                                         else 0.0)
+
+
+def tango_upper(lost: int, gained: int, n: int, alpha: float) -> float:
+    """One-sided ``1 - alpha`` upper bound of P(lost) - P(gained) for paired
+    0/1 items: ``lost`` items only the baseline got right, ``gained`` only the
+    point (Tango's score interval, inverted by bisection)."""
+    if n <= 0:
+        return 1.0
+    target = -z(alpha)
+    lo, hi = max((lost - gained) / n, -1.0), 1.0
+    if _tango_z(hi - 1e-12, lost, gained, n) >= target:
+        return 1.0
+    for _ in range(48):  # to ~1e-14
+        mid = (lo + hi) / 2
+        if _tango_z(mid, lost, gained, n) >= target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
 
 def mcnemar_p(b: int, c: int) -> float:
@@ -42,26 +127,84 @@ class Paired:
     """``point - baseline`` over the same items."""
 
     diff: float  # mean of the per-item differences
-    stderr: float  # its standard error
+    stderr: float  # its standard error (block means for token items)
     n: int
-    p_value: float  # McNemar for 0/1 items, normal approximation otherwise
+    p_value: float  # McNemar for 0/1 items, t on the units otherwise
+    units: int = 0  # independent units behind ``stderr`` (documents, or blocks of tokens)
+    lost: int = 0  # 0/1 items: only the baseline right
+    gained: int = 0  # 0/1 items: only the point right
 
     @property
     def significant(self) -> bool:
         return self.p_value < ALPHA
 
 
-def paired(point: Sequence[float], base: Sequence[float], binary: bool = False) -> Paired:
-    """Paired comparison of per-item values (same items, same order)."""
+def paired(point: Sequence[float], base: Sequence[float], binary: bool = False, tokens: bool = False) -> Paired:
+    """Paired comparison of per-item values (same items, same order).
+    ``tokens``: the items are consecutive tokens (standard error from block
+    means); otherwise each item is an independent unit (a document)."""
     a, b = np.asarray(point, dtype=np.float64), np.asarray(base, dtype=np.float64)
     if a.shape != b.shape or a.size == 0:
         raise ValueError(f"paired comparison needs equal, non-empty item lists ({a.size} vs {b.size})")
     d = a - b
-    se = mean_stderr(d)
+    se, units = block_stderr(d) if tokens else (mean_stderr(d), int(d.size))
     if binary:
-        p = mcnemar_p(int(((a > 0.5) & (b < 0.5)).sum()), int(((a < 0.5) & (b > 0.5)).sum()))
-    elif se == 0.0:
+        gained, lost = int(((a > 0.5) & (b < 0.5)).sum()), int(((a < 0.5) & (b > 0.5)).sum())
+        return Paired(float(d.mean()), se, int(a.size), mcnemar_p(gained, lost), units, lost, gained)
+    if se == 0.0:
         p = 1.0 if d.mean() == 0.0 else 0.0
+    elif units >= 2:
+        p = float(2.0 * stats.t.sf(abs(d.mean() / se), units - 1))
     else:
         p = math.erfc(abs(d.mean() / se) / math.sqrt(2.0))
-    return Paired(float(d.mean()), se, int(a.size), p)
+    return Paired(float(d.mean()), se, int(a.size), p, units)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A loss estimate and its one-sided upper confidence bound at any level.
+
+    ``upper_at(alpha)``: the ``1 - alpha`` upper bound (non-increasing in
+    ``alpha``); ``method``: what it resamples and how, in words for the report.
+    """
+
+    value: float
+    upper_at: Callable[[float], float]
+    method: str
+
+    @property
+    def upper(self) -> float:
+        return self.upper_at(1.0 - LEVEL)
+
+    def p_value(self, budget: float) -> float:
+        """The one-sided p-value of "loss >= ``budget``": the smallest alpha at
+        which the bound is within ``budget`` (1 when it never is)."""
+        if self.upper_at(1.0 - 1e-12) > budget:
+            return 1.0
+        lo, hi = 1e-12, 1.0 - 1e-12  # upper_at(hi) <= budget
+        if self.upper_at(lo) <= budget:
+            return lo
+        for _ in range(40):  # alpha to ~1e-12
+            mid = (lo + hi) / 2
+            if self.upper_at(mid) <= budget:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+
+def exact(value: float, method: str) -> Bound:
+    """A loss known without sampling error (the baseline against itself)."""
+    return Bound(value, lambda _alpha: value, method)
+
+
+def holm(p_values: Sequence[float], alpha: float = 1.0 - LEVEL) -> list[bool]:
+    """Holm's step-down rule: which hypotheses are rejected with the
+    family-wise error rate at most ``alpha`` (any dependence)."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    out = [False] * len(p_values)
+    for rank, i in enumerate(order):
+        if p_values[i] > alpha / (len(p_values) - rank):
+            break
+        out[i] = True
+    return out

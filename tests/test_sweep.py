@@ -155,7 +155,7 @@ def test_headline_sweep_without_data_dir_exits_0_with_every_family(tmp_path):
     assert kv.tags["probe.fidelity.corpus"] == "builtin" and "kvfid/kl_mean" in kv.metrics
     assert "data_dir" in kv.tags["probe.accuracy.skipped"] and "data_dir" in kv.tags["probe.perplexity.skipped"]
     assert "calibration.fallback" in runs["gptq-g64@cpu"].data.tags
-    assert "Decision rule: loss on `fid/top1_agree`" in proc.stdout and "95% bound" in proc.stdout
+    assert "Decision rule: loss on `fid/top1_agree`" in proc.stdout and "95% one-sided upper bound" in proc.stdout
 
 
 def test_params_of_other_model_sources_are_not_logged():

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantlab.divergence import kl_per_token
-from quantlab.uncertainty import mean_stderr
+from quantlab.uncertainty import block_stderr, mean_stderr
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,9 @@ def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor | 
     """llama.cpp-grade fidelity statistics of ``logp`` against ``ref_logp`` (``[T, V]``).
 
     Per position: KL(ref || point), summarised as mean (with its standard
-    error), median, P99, P99.9 and max; top-1 agreement ("same top p") with its
-    binomial standard error. With ``targets`` (the ``T - 1`` next tokens of the
+    error from block means, ``fid/blocks`` of them, and the per-position one
+    as ``*_stderr_tokens``), median, P99, P99.9 and max; top-1 agreement
+    ("same top p") with its standard errors likewise. With ``targets`` (the ``T - 1`` next tokens of the
     text) also ln(PPL(point) / PPL(ref)) and the mean change of the probability
     given to the actual next token (delta-p), each with its standard error, from
     the per-token differences (paired, as llama.cpp's ``--kl-divergence``).
@@ -47,15 +48,14 @@ def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor | 
     kl = kl_per_token(ref64, p64, logits=False).numpy()
     same = (ref_logp.argmax(-1) == logp.argmax(-1)).double().numpy()
     out = {
-        "fid/kl_mean": float(kl.mean()),
-        "fid/kl_mean_stderr": mean_stderr(kl),
+        **_mean("fid/kl_mean", kl),
         "fid/kl_median": float(np.median(kl)),
         "fid/kl_p99": float(np.percentile(kl, 99)),
         "fid/kl_p999": float(np.percentile(kl, 99.9)),
         "fid/kl_max": float(kl.max()),
-        "fid/top1_agree": float(same.mean()),
-        "fid/top1_agree_stderr": mean_stderr(same),
+        **_mean("fid/top1_agree", same),
         "fid/tokens": float(kl.size),
+        "fid/blocks": float(block_stderr(kl)[1]),
     }
     if targets is not None:
         if targets.numel() != kl.size - 1:
@@ -63,9 +63,17 @@ def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor | 
         idx = targets.reshape(-1, 1).long()
         lr, lq = ref64[:-1].gather(-1, idx)[:, 0].numpy(), p64[:-1].gather(-1, idx)[:, 0].numpy()
         dnll, dp = lr - lq, np.exp(lq) - np.exp(lr)
-        out.update({"fid/ln_ppl_ratio": float(dnll.mean()), "fid/ln_ppl_ratio_stderr": mean_stderr(dnll),
-                    "fid/dp_token_mean": float(dp.mean()), "fid/dp_token_mean_stderr": mean_stderr(dp)})
+        out.update({**_mean("fid/ln_ppl_ratio", dnll), **_mean("fid/dp_token_mean", dp)})
     return out
+
+
+def _mean(name: str, per_position: np.ndarray) -> dict[str, float]:
+    """``name``: the mean over positions; ``name_stderr``: its standard error
+    from block means (positions of one text are correlated, see
+    :mod:`quantlab.uncertainty`); ``name_stderr_tokens``: the per-position one
+    (treats positions as independent: narrower, a secondary figure)."""
+    return {name: float(per_position.mean()), f"{name}_stderr": block_stderr(per_position)[0],
+            f"{name}_stderr_tokens": mean_stderr(per_position)}
 
 
 def compare_topk(ref_logp: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor,
@@ -93,14 +101,12 @@ def compare_topk(ref_logp: torch.Tensor, top_values: torch.Tensor, top_ids: torc
     kl = (kl_in + torch.where(p_out > 0, p_out * (p_out.clamp_min(1e-300).log() - q_out.log()), 0.0))
     kl = kl.clamp_min(0.0).numpy()
     same = (ref_logp.argmax(-1) == top_ids[:, 0]).double().numpy()
-    out = {"fid/kl_topk_lb_mean": float(kl.mean()), "fid/kl_topk_lb_mean_stderr": mean_stderr(kl),
+    out = {**_mean("fid/kl_topk_lb_mean", kl),
            "fid/kl_topk_k": float(top_ids.shape[1]), "fid/kl_topk_ref_mass_outside": float(p_out.mean()),
-           "fid/top1_agree": float(same.mean()), "fid/top1_agree_stderr": mean_stderr(same),
-           "fid/tokens": float(kl.size)}
+           **_mean("fid/top1_agree", same), "fid/tokens": float(kl.size), "fid/blocks": float(block_stderr(kl)[1])}
     if target_logp is not None and targets is not None:
         lr = ref64[:-1].gather(-1, targets.reshape(-1, 1).long())[:, 0].numpy()
-        dnll = lr - target_logp.double().numpy()
-        out.update({"fid/ln_ppl_ratio": float(dnll.mean()), "fid/ln_ppl_ratio_stderr": mean_stderr(dnll)})
+        out.update(_mean("fid/ln_ppl_ratio", lr - target_logp.double().numpy()))
     return out
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from quantlab.errors import UserError
-from quantlab.uncertainty import mean_stderr
+from quantlab.uncertainty import block_stderr, mean_stderr
 
 
 def wikitext2_text(data_dir: str | None) -> str:
@@ -55,9 +55,14 @@ def token_nll(engine, wins: torch.Tensor) -> np.ndarray:
 
 
 def summary(nll: np.ndarray, name: str) -> dict[str, float]:
-    """Perplexity exp(mean NLL) over every predicted token, the standard error
-    of ln(PPL) (``<name>_ln_stderr``) and the window count."""
-    return {name: math.exp(float(nll.mean())), f"{name}_ln_stderr": mean_stderr(nll.ravel()),
+    """Perplexity exp(mean NLL) over every predicted token; the standard error
+    of ln(PPL) (``<name>_ln_stderr``) from block means of the tokens in text
+    order (``<name>_blocks`` of them: a window's tokens are correlated, see
+    :mod:`quantlab.uncertainty`), the per-token one as
+    ``<name>_ln_stderr_tokens`` (a narrower, secondary figure); the window count."""
+    se, blocks = block_stderr(nll.ravel())
+    return {name: math.exp(float(nll.mean())), f"{name}_ln_stderr": se,
+            f"{name}_ln_stderr_tokens": mean_stderr(nll.ravel()), f"{name}_blocks": float(blocks),
             f"{name}_windows": float(nll.shape[0])}
 
 
