@@ -77,6 +77,7 @@ class ServerArgs:
     max_logprobs: int = -1  # -1: the whole vocabulary may be asked for
     threads: int | None = None
     enforce_eager: bool = True
+    tokenize: bool = False  # True: the server loads the tokenizer (text prompts: vllm bench serve); quantlab sends ids
     extra: list[str] = field(default_factory=list)
 
     def command(self, python: str, port: int) -> list[str]:
@@ -84,7 +85,9 @@ class ServerArgs:
                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", self.dtype, "--max-num-seqs", str(self.max_num_seqs),
                "--max-model-len", str(self.max_model_len), "--max-logprobs", str(self.max_logprobs),
-               "--kv-cache-dtype", self.kv_cache_dtype, "--skip-tokenizer-init", "--seed", "0"]
+               "--kv-cache-dtype", self.kv_cache_dtype, "--seed", "0"]
+        if not self.tokenize:
+            cmd.append("--skip-tokenizer-init")
         if self.enforce_eager:
             cmd.append("--enforce-eager")  # else every start compiles again (minutes on 2 cores)
         return cmd + list(self.extra)
@@ -109,8 +112,9 @@ class VllmServer:
             check_port(port)
         self.args, self.port = args, port or free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="quantlab-vllm-", suffix=".log", delete=False)
+        self.tmp = tempfile.mkdtemp(prefix="quantlab-vllm-tmp-")  # vLLM's own temporaries, removed at close
         self.proc = subprocess.Popen(args.command(python, self.port), stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=args.env(), start_new_session=True)
+                                     env={**args.env(), "TMPDIR": self.tmp}, start_new_session=True)
         t = time.monotonic()
         try:
             self._wait_ready(t + ready_timeout_s, ready_timeout_s)
@@ -240,6 +244,7 @@ class VllmServer:
         if not self.log.closed:
             self.log.close()
             Path(self.log.name).unlink(missing_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 class VllmPolicy(StreamingPolicy):
