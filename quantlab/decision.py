@@ -135,8 +135,6 @@ def _top1(agree: float, metrics: dict) -> Loss:
     Clopper-Pearson at the effective sample size (n over the design effect),
     so zero disagreements never give a bound of 0."""
     lost = max(0.0, 1 - agree)
-    if metrics.get("fid/kl_mean") == 0.0:  # identical distributions at every position: the reference itself
-        return Loss(0.0, uncertainty.exact(0.0, "the reference itself (KL exactly 0)"), True)
     se, n = metrics.get("fid/top1_agree_stderr"), metrics.get("fid/tokens")
     if se is None or not n:
         return Loss(lost, uncertainty.exact(lost, "estimate only"), False)

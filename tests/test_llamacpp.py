@@ -144,6 +144,9 @@ def test_llamacpp_sweep_end_to_end(tmp_path):
         assert "no per-module timing" in r.tags["probe.stages.skipped"]
         assert "no cache-free reference" in r.tags["probe.cache.skipped"]
     assert "q8_0" in kv8.tags["support.reason"]
+    # parity: the GGUF served is the point quantized (llama.cpp's 8-bit activations are all that differ)
+    assert plain.metrics["parity/kl_mean"] < plain.metrics["fid/kl_mean"] / 5
+    assert plain.metrics["parity/greedy_tokens"] == 32 and "parity/greedy_match_tokens" in plain.metrics
     # the q8_0 cache holds 34/64 of the f16 one's bytes (as llama.cpp reports them)
     # and moves the logits: every forward attends through it
     assert 0.45 < kv8.metrics["mem/kv_mb"] / plain.metrics["mem/kv_mb"] < 0.6

@@ -82,11 +82,12 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
     try:
         fmt = checkpoint.write(model, tok, spec, copy.deepcopy(float_model), tmp)
         ids = roundtrip.check_input(tok)
-        point_logits, greedy = roundtrip.logits_and_greedy(model, ids)  # the point's own text, for information
         float_twin, dense = dense_twins(model, float_model, getattr(torch, spec["dtype"]))
         del float_model
-        # W8A8 quantizes activations at run time, in the point and in the reload alike, not in a dense twin
-        logits = point_logits if "input_activations" in spec else roundtrip.logits_and_greedy(dense, ids)[0]
+        # W8A8 quantizes activations at run time, in the point and in the reload alike, not in a dense twin;
+        # else logits and greedy text from the dense twin: the reload's arithmetic (the packed kernels' own
+        # greedy text can differ at a near-tie: SmolLM2 int4-g64, tinygemm against bf16 matmuls)
+        logits, greedy = roundtrip.logits_and_greedy(model if "input_activations" in spec else dense, ids)
         float_logits = roundtrip.logits_and_greedy(float_twin, ids)[0]
         point_from_float = float(kl_per_token(float_logits, logits).mean())
         del float_twin, dense
