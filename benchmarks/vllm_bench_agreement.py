@@ -55,13 +55,9 @@ def quantlab_side(server: VllmServer, vocab: int, args, seed: int) -> dict[str, 
     itl = [d * 1e3 for r in done for d in np.diff(r.tokens_s)]
     ttft = [(r.tokens_s[0] - r.sent_s) * 1e3 for r in done]
     span = max(r.tokens_s[-1] for r in done) - min(r.sent_s for r in done)
-    return {**_pct("ttft_ms", ttft), **_pct("tpot_ms", tpot), **_pct("itl_ms", itl),
+    return {**load.percentiles("ttft_ms", ttft), **load.percentiles("tpot_ms", tpot), **load.percentiles("itl_ms", itl),
             "out_tok_s": sum(len(r.tokens_s) for r in done) / span, "completed": float(len(done))}
 
-
-def _pct(name: str, values) -> dict[str, float]:
-    a = np.asarray(values, dtype=np.float64)
-    return {f"{name}_p50": float(np.percentile(a, 50)), f"{name}_p99": float(np.percentile(a, 99))}
 
 
 def vllm_side(python: str, server: VllmServer, model_dir: Path, args, seed: int) -> dict[str, float]:

@@ -77,11 +77,14 @@ def _relative(ln_ratio: float) -> float:
     return 1.0 - math.exp(min(-ln_ratio, 700.0))
 
 
-def _ln_stderr(metrics: dict, metric: str) -> float | None:
+def logged_stderr(metrics: dict, metric: str) -> float | None:
+    """The standard error a run logged beside ``metric``, on the scale the
+    loss uses: of ln PPL for perplexities (``<metric>_ln_stderr``), else of
+    the value itself (``acc_stderr/<task>``, ``fid/kl_mean_stderr``)."""
     if metric.startswith(LOWER_IS_BETTER):
         return metrics.get(f"{metric}_ln_stderr")
     name, _, task = metric.partition("/")
-    return metrics.get(f"{name}_stderr/{task}")
+    return metrics.get(f"{name}_stderr/{task}", metrics.get(f"{metric}_stderr"))
 
 
 def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items: dict,
@@ -118,7 +121,7 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
             lambda a: uncertainty.tango_upper(pair.lost, pair.gained, pair.n, a) / b),
             f"paired Tango score on {pair.n} documents"), True)
     est = 1 - b / v if lower else 1 - v / b
-    se_p, se_b = _ln_stderr(metrics, metric), _ln_stderr(base_metrics, metric)
+    se_p, se_b = logged_stderr(metrics, metric), logged_stderr(base_metrics, metric)
     if se_p is None or se_b is None:
         return Loss(max(0.0, est), uncertainty.exact(max(0.0, est), "estimate only"), False)
     se = math.hypot(se_p, se_b)

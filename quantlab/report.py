@@ -32,13 +32,10 @@ NOT_SIGNIFICANT = "~"
 
 def stderr_of(metrics: dict[str, float], key: str) -> float | None:
     """The standard error logged beside ``key`` (absolute units), if any."""
-    if key.startswith(decision.LOWER_IS_BETTER) and f"{key}_ln_stderr" in metrics:
-        return metrics[key] * metrics[f"{key}_ln_stderr"]  # delta method: se(PPL) = PPL * se(ln PPL)
-    name, _, task = key.partition("/")
-    for k in (f"{name}_stderr/{task}", f"{key}_stderr"):
-        if k in metrics:
-            return metrics[k]
-    return None
+    se = decision.logged_stderr(metrics, key)
+    if se is not None and key.startswith(decision.LOWER_IS_BETTER):
+        return metrics[key] * se  # delta method: se(PPL) = PPL * se(ln PPL)
+    return se
 
 
 def _cell(run, key: str, fmt: str, note: str, reused: bool) -> str:

@@ -49,14 +49,18 @@ def mean_stderr(x: Sequence[float] | np.ndarray) -> float:
     return float(a.std(ddof=1) / math.sqrt(a.size)) if a.size > 1 else 0.0
 
 
+def block_count(n: int) -> int:
+    """How many contiguous blocks ``n`` items are split into: blocks of at
+    most ``BLOCK`` items, at least ``MIN_BLOCKS`` where there are that many."""
+    return max(min(MIN_BLOCKS, n), math.ceil(n / BLOCK))
+
+
 def block_means(x: Sequence[float] | np.ndarray) -> np.ndarray:
-    """Means of contiguous blocks of at most ``BLOCK`` items, at least
-    ``MIN_BLOCKS`` blocks where there are that many items (order kept)."""
+    """Means of the :func:`block_count` contiguous blocks of ``x`` (order kept)."""
     a = np.asarray(x, dtype=np.float64).ravel()
     if a.size == 0:
         return a
-    m = max(min(MIN_BLOCKS, a.size), math.ceil(a.size / BLOCK))
-    return np.array([c.mean() for c in np.array_split(a, m)])
+    return np.array([c.mean() for c in np.array_split(a, block_count(a.size))])
 
 
 def block_stderr(x: Sequence[float] | np.ndarray) -> tuple[float, int]:

@@ -6,8 +6,9 @@ checkpoint directory that transformers and vLLM load.
   weight-only int8 per channel packed four to an int32 as ``pack-quantized``
   (W8A16, the layout vLLM reads), W8A8 as ``int-quantized`` with dynamic
   per-token int8 input activations, int4 packed eight to an int32 as ``pack-quantized``
-  (asymmetric groups as ``block [1, g]`` with int8 zero points, see
-  ``schemes.int4.checkpoint``), FP8 as ``float-quantized``, mixed recipes as
+  (asymmetric groups with their zero points packed too; a mixed recipe's as
+  ``block [1, g]`` with int8 zero points: see ``schemes.int4.checkpoint``),
+  FP8 as ``float-quantized``, mixed recipes as
   one config group per candidate (``mixed-precision`` where their formats differ).
 
 The integers written are the point's own (compressed-tensors re-derives them

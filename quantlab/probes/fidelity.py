@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantlab.divergence import kl_per_token
-from quantlab.uncertainty import block_stderr, mean_stderr
+from quantlab.uncertainty import block_count, block_stderr, mean_stderr
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor | 
         "fid/kl_max": float(kl.max()),
         **_mean("fid/top1_agree", same),
         "fid/tokens": float(kl.size),
-        "fid/blocks": float(block_stderr(kl)[1]),
+        "fid/blocks": float(block_count(kl.size)),
     }
     if targets is not None:
         if targets.numel() != kl.size - 1:
@@ -103,7 +103,7 @@ def compare_topk(ref_logp: torch.Tensor, top_values: torch.Tensor, top_ids: torc
     same = (ref_logp.argmax(-1) == top_ids[:, 0]).double().numpy()
     out = {**_mean("fid/kl_topk_lb_mean", kl),
            "fid/kl_topk_k": float(top_ids.shape[1]), "fid/kl_topk_ref_mass_outside": float(p_out.mean()),
-           **_mean("fid/top1_agree", same), "fid/tokens": float(kl.size), "fid/blocks": float(block_stderr(kl)[1])}
+           **_mean("fid/top1_agree", same), "fid/tokens": float(kl.size), "fid/blocks": float(block_count(kl.size))}
     if target_logp is not None and targets is not None:
         lr = ref64[:-1].gather(-1, targets.reshape(-1, 1).long())[:, 0].numpy()
         out.update(_mean("fid/ln_ppl_ratio", lr - target_logp.double().numpy()))

@@ -156,8 +156,8 @@ def checkpoint(cfg: MixedScheme) -> Mapping:
                                                 compute_dtype=cfg.compute_dtype), asymmetric_as="block")
         candidates[c] = m.spec
     one = {m["format"] for m in candidates.values()}  # compressed-tensors names a uniform model by its format
-    return Mapping({"format": one.pop() if len(one) == 1 else "mixed-precision", "candidates": candidates, "layers": dict(cfg.layers),
-                    "default": cfg.default, "scale_dtype": cfg.compute_dtype,
+    return Mapping({"format": one.pop() if len(one) == 1 else "mixed-precision", "candidates": candidates,
+                    "layers": dict(cfg.layers), "default": cfg.default, "scale_dtype": cfg.compute_dtype,
                     "dtype": cfg.compute_dtype})
 
 

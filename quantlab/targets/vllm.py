@@ -45,7 +45,7 @@ from quantlab.targets.base import Target, worst
 
 log = logging.getLogger("quantlab")
 
-# checkpoint format -> the CPU flag vLLM's CPU build needs for it (None: not known to run there)
+# quantlab's KV scheme (short name) -> vLLM's --kv-cache-dtype
 _KV = {"": "auto", "kvfp8": "fp8"}
 
 
