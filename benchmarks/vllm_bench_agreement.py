@@ -8,6 +8,13 @@ of ``--requests`` prompts of ``--input-len`` random tokens, ``--output-len``
 tokens each, EOS ignored. TPOT is per request, (last token - first token) /
 (tokens - 1), on both sides, as vLLM defines it.
 
+The server's own histograms (``/metrics``: ``request_time_per_output_token``,
+``inter_token_latency``, ``time_to_first_token``) are read before and after
+each client's window, so every client's mean is also set against the
+server's mean over the same requests: a ratio that contention on the cores
+(which moves the server's speed between two windows) does not move, since
+client and server time the same tokens at once.
+
     python benchmarks/vllm_bench_agreement.py [--model smollm2|tiny] [--rate 1.0] [--requests 24]
 
 Needs vLLM's venv (``bash scripts/build_vllm_venv.sh``; ``$QUANTLAB_VLLM_PYTHON``).
@@ -22,6 +29,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,14 +48,38 @@ BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentPars
          "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); add_cli_args(p); "
          "main(p.parse_args(sys.argv[1:]))")
 METRICS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99", "out_tok_s")
+MEANS = ("ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean")
+# the server's histogram behind each client mean
+SERVER = {"ttft_ms_mean": "vllm:time_to_first_token_seconds",
+          "tpot_ms_mean": "vllm:request_time_per_output_token_seconds",
+          "itl_ms_mean": "vllm:inter_token_latency_seconds"}
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The server's mean of each histogram over the requests between two
+    ``/metrics`` reads, in ms, keyed ``server_<metric>``."""
+    out = {}
+    for m, h in SERVER.items():
+        n = after.get(h + "_count", 0.0) - before.get(h + "_count", 0.0)
+        out["server_" + m] = (after[h + "_sum"] - before[h + "_sum"]) * 1e3 / n if n else math.nan
+    return out
+
+
+def windowed(server: VllmServer, client) -> dict[str, float]:
+    """``client()``'s figures beside the server's own means over its window."""
+    before = server.metrics()
+    res = client()
+    time.sleep(1.0)  # the engine's stats reach the API server's registry a step after the last token
+    return {**res, **server_means(before, server.metrics())}
 
 
 def quantlab_side(server: VllmServer, vocab: int, args, seed: int) -> dict[str, float]:
     """The load probe's own path: ``load.run_rate`` through ``VllmPolicy``."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(10, vocab - 10, (args.input_len,), generator=g) for _ in range(args.requests)]
-    reqs, stopped = load.run_rate(VllmPolicy(server), prompts, args.output_len, args.rate,
-                                  args.requests / args.rate, "poisson", Limits(10_000, 120.0), seed)
+    with load.prompt_thread_switches():  # as load.measure runs it
+        reqs, stopped = load.run_rate(VllmPolicy(server), prompts, args.output_len, args.rate,
+                                      args.requests / args.rate, "poisson", Limits(10_000, 120.0), seed)
     if stopped:
         raise RuntimeError(f"quantlab's rate stopped early: {stopped}")
     done = [r for r in reqs if r.done]
@@ -56,6 +88,7 @@ def quantlab_side(server: VllmServer, vocab: int, args, seed: int) -> dict[str, 
     ttft = [(r.tokens_s[0] - r.sent_s) * 1e3 for r in done]
     span = max(r.tokens_s[-1] for r in done) - min(r.sent_s for r in done)
     return {**load.percentiles("ttft_ms", ttft), **load.percentiles("tpot_ms", tpot), **load.percentiles("itl_ms", itl),
+            "ttft_ms_mean": float(np.mean(ttft)), "tpot_ms_mean": float(np.mean(tpot)), "itl_ms_mean": float(np.mean(itl)),
             "out_tok_s": sum(len(r.tokens_s) for r in done) / span, "completed": float(len(done))}
 
 
@@ -78,12 +111,14 @@ def vllm_side(python: str, server: VllmServer, model_dir: Path, args, seed: int)
         r = json.loads((Path(d) / "r.json").read_text())
     return {"ttft_ms_p50": r["p50_ttft_ms"], "ttft_ms_p99": r["p99_ttft_ms"], "tpot_ms_p50": r["p50_tpot_ms"],
             "tpot_ms_p99": r["p99_tpot_ms"], "itl_ms_p50": r["p50_itl_ms"], "itl_ms_p99": r["p99_itl_ms"],
+            "ttft_ms_mean": r["mean_ttft_ms"], "tpot_ms_mean": r["mean_tpot_ms"], "itl_ms_mean": r["mean_itl_ms"],
             "out_tok_s": r["output_throughput"], "completed": float(r["completed"])}
 
 
 def compare(args) -> dict[str, dict[str, float]]:
     """Both clients, ``args.rounds`` times each, interleaved; the mean of each
-    client's rounds per metric."""
+    client's rounds per metric, its own figures (:data:`METRICS`,
+    :data:`MEANS`) and the server's over its windows (``server_*``)."""
     python = python_path(None)
     if not python:
         raise SystemExit("no vLLM venv: bash scripts/build_vllm_venv.sh, then export QUANTLAB_VLLM_PYTHON")
@@ -98,11 +133,13 @@ def compare(args) -> dict[str, dict[str, float]]:
         try:
             runs: dict[str, list[dict]] = {"quantlab": [], "vllm bench": []}
             for i in range(args.rounds):
-                runs["quantlab"].append(quantlab_side(server, model.config.vocab_size, args, seed=i))
-                runs["vllm bench"].append(vllm_side(python, server, ckpt, args, seed=i))
+                vocab = model.config.vocab_size
+                runs["quantlab"].append(windowed(server, lambda: quantlab_side(server, vocab, args, i)))
+                runs["vllm bench"].append(windowed(server, lambda: vllm_side(python, server, ckpt, args, i)))
         finally:
             server.close()
-    return {k: {m: float(np.mean([r[m] for r in v])) for m in (*METRICS, "completed")} for k, v in runs.items()}
+    keys = (*METRICS, *MEANS, *("server_" + m for m in MEANS), "completed")
+    return {k: {m: float(np.mean([r[m] for r in v])) for m in keys} for k, v in runs.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     for m in METRICS:
         q, v = res["quantlab"][m], res["vllm bench"][m]
         print(f"{m:<13} {q:>10.2f} {v:>11.2f} {q / v if v else math.nan:>7.3f}")
+    print(f"{'mean':<13} {'quantlab/server':>16} {'vllm bench/server':>18}  (same requests, same window)")
+    for m in MEANS:
+        q, v = (res[c][m] / res[c]["server_" + m] for c in ("quantlab", "vllm bench"))
+        print(f"{m:<13} {q:>16.3f} {v:>18.3f}")
+    q, v = (res[c]["tpot_ms_p50"] / res[c]["server_tpot_ms_mean"] for c in ("quantlab", "vllm bench"))
+    print(f"{'tpot_p50/mean':<13} {q:>16.3f} {v:>18.3f}  (client P50 over the server's mean)")
     print(f"completed: {res['quantlab']['completed']:.0f} / {res['vllm bench']['completed']:.0f}")
     return 0
 

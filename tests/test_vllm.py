@@ -223,15 +223,19 @@ def test_vllm_serves_quantlabs_exports_as_the_points_measured(tmp_path):
 @needs_vllm
 def test_load_probe_agrees_with_vllm_bench_serve(monkeypatch):
     """quantlab's load path (``load.run_rate`` through ``VllmPolicy``) and
-    ``vllm bench serve`` on the same SmolLM2 server (one OMP thread, so each
-    client has a core of its own: with both cores to the server, vLLM's client
-    slowed the server's steps by 18 % on 2 cores), same Poisson rate and
-    lengths, interleaved. Measured on a 2-core Xeon (2 rounds): TPOT P50 0.99,
-    ITL P50 0.97, TTFT P50 0.92 (TTFT includes queueing behind another
-    prompt's prefill, which depends on each client's own arrival draw), P99s
-    0.87-0.98. Kept: TPOT and ITL P50 within 10 %, TTFT P50 within 15 %.
-    Throughput is not compared: below saturation it is the realized arrival
-    rate of each client's Poisson draw, not the server's."""
+    ``vllm bench serve`` on the same SmolLM2 server (one OMP thread), same
+    Poisson rate and lengths, one after the other, each set against the
+    server's own histograms over its window. The raw cross-window ratios
+    (TPOT P50 0.99-1.06 idle) are the benchmark's to print: CI's other test
+    worker shares the cores, and one window was measured 19 % slower than the
+    next (TPOT P50 93 vs 78 ms). Client and server time the same tokens at
+    once, so their ratio does not move with contention: TPOT and ITL means
+    measured at 1.000 of the server's on both clients idle, 0.991-0.996 with a
+    busy loop on the other core. TTFT does move (client scheduling: 1.02 idle,
+    1.16 and 1.96 under that loop), so it is the benchmark's to print. Kept:
+    TPOT and ITL means within 3 % of the server's on both clients; each
+    client's TPOT P50 over its window's server mean within 10 % of the
+    other's (the distributions' shape)."""
     from benchmarks import vllm_bench_agreement as bench
 
     monkeypatch.setenv("QUANTLAB_VLLM_PYTHON", REAL)
@@ -240,5 +244,8 @@ def test_load_probe_agrees_with_vllm_bench_serve(monkeypatch):
     res = bench.compare(args)
     q, v = res["quantlab"], res["vllm bench"]
     assert q["completed"] >= 8 and v["completed"] == 16
-    for m, tol in (("tpot_ms_p50", 0.10), ("itl_ms_p50", 0.10), ("ttft_ms_p50", 0.15)):
-        assert q[m] == pytest.approx(v[m], rel=tol), (m, q[m], v[m])
+    for client in (q, v):
+        for m, tol in (("tpot_ms_mean", 0.03), ("itl_ms_mean", 0.03)):
+            assert client[m] == pytest.approx(client["server_" + m], rel=tol), (m, client)
+    shape = {c: r["tpot_ms_p50"] / r["server_tpot_ms_mean"] for c, r in res.items()}
+    assert shape["quantlab"] == pytest.approx(shape["vllm bench"], rel=0.10), shape
