@@ -65,8 +65,8 @@ class SchemeConfig:
 @dataclass
 class TargetConfig:
     """Base of target configs; ``name`` selects the target implementation.
-    Each target's own config subclasses this beside its target
-    (``quantlab/targets/<name>.py``)."""
+    Each target's own config subclasses this in ``quantlab/targets/configs.py``
+    (no torch there: configs are checked before anything heavy loads)."""
 
     name: str = MISSING
 

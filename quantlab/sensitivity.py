@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
     try:
-        from quantlab.schemes.mixed import valid_candidate
+        from quantlab.schemes.configs import valid_candidate
 
         candidates = [c.strip() for c in args.candidates.split(",") if c.strip()]
         bad = [c for c in candidates if not valid_candidate(c)]
@@ -369,7 +369,7 @@ def run(model_name: str, candidates: list[str], corpus_name: str, tokens: int, c
     they ran on), draw it, write a recipe per budget."""
     from quantlab import models
     from quantlab import corpus
-    from quantlab.schemes.layers import DEFAULT_SKIP
+    from quantlab.schemes.configs import DEFAULT_SKIP
 
     cfg = _model_config(model_name)
     corpus_used = corpus.resolve(corpus_name, data_dir)

@@ -37,8 +37,8 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QUANTLAB_CACHE", cache)
 
 
-def run_cli(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """``python -m quantlab ARGS`` in a subprocess, as a user runs it."""
+def run_cli(args: list[str], timeout: int = 600, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``python [PYTHON_FLAGS] -m quantlab ARGS`` in a subprocess, as a user runs it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "quantlab", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, *python_flags, "-m", "quantlab", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)

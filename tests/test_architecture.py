@@ -173,3 +173,14 @@ def test_no_scheme_type_or_attribute_tests_outside_schemes():
                     or re.search(rf"\b(w|weights|cfg\.scheme\.weights)\.{attr}\b", text):
                 hits.append(f"{p.relative_to(PKG.parent)} reads the scheme's {attr}")
     assert hits == []
+
+
+def test_config_tables_name_what_the_handlers_register():
+    """The light config tables (composed without torch) and what the scheme
+    and target modules register once loaded are the same schemas and types."""
+    from quantlab import targets
+    from quantlab.schemes import configs, registry
+    from quantlab.targets.configs import CONFIGS
+
+    assert registry.registered() == (configs.WEIGHT_SCHEMAS, configs.KV_SCHEMAS)
+    assert set(CONFIGS) <= set(targets.registered())

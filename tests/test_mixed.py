@@ -134,11 +134,27 @@ def test_a_recipe_runs_as_a_point_and_beats_uniform_int4_at_a_higher_budget(tmp_
     assert m.tags["exportable.gguf"].startswith("no: mixed-6b: mixed recipes do not export to GGUF yet")
 
 
-def test_recipe_errors_are_clear(tmp_path):
+@pytest.mark.parametrize("text,message", [
+    (yaml.safe_dump({"name": "x", "default": "int4-g48", "layers": {}}), r"default 'int4-g48'; valid: bf16, int8"),
+    ("name: x\nlayers:\n  a: int8\n b: [\n", r"not valid YAML at line \d"),  # was a parser traceback
+    ("- int8\n- int4-g64\n", "a mapping of name, default, layers, predicted, source expected, got list"),
+    (yaml.safe_dump({"name": "x", "defualt": "int8"}), "unknown key 'defualt'; valid: name, default"),
+    (yaml.safe_dump({"name": "x", "default": 8}), "default 8; valid:"),  # was 'expected string ..., got int'
+    (yaml.safe_dump({"name": "x", "layers": ["int8"]}), "layers must map layer names to candidates, got list"),
+    (yaml.safe_dump({"name": "x", "layers": {"model.layers.0.mlp.up_proj": 4}}),
+     "layer model.layers.0.mlp.up_proj: 4; valid:"),
+])
+def test_a_bad_recipe_file_is_one_line_naming_it(tmp_path, text, message):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"name": "x", "default": "int4-g48", "layers": {}}))
-    with pytest.raises(ValueError, match=r"mixed recipe candidates \['int4-g48'\]"):
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=f"mixed recipe {bad}: {message}") as e:
         MixedScheme(recipe=str(bad))
+    assert "\n" not in str(e.value)
+
+
+def test_recipe_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match=r"mixed recipe candidates \['int4-g48'\]"):
+        MixedScheme(default="int4-g48")
     with pytest.raises(ValueError, match="not found"):
         MixedScheme(recipe=str(tmp_path / "missing.yaml"))
     other = tmp_path / "other.yaml"

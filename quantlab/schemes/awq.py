@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -24,8 +23,7 @@ from torch import nn
 from quantlab import calibration
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers, smoothing
-from quantlab.schemes.base import WeightScheme
-from quantlab.schemes.int4 import GROUP_SIZES
+from quantlab.schemes.configs import AWQScheme
 from quantlab.schemes.int4 import checkpoint as int4_checkpoint
 from quantlab.schemes.int4 import gguf as int4_gguf
 from quantlab.schemes.qlinear import Int4Linear, rtn_int4
@@ -33,28 +31,6 @@ from quantlab.schemes.registry import Applied, ApplyContext, Support, register_w
 
 log = logging.getLogger("quantlab")
 ROWS = 512  # activation rows kept per group for the search
-GRID = 20  # alpha in {0, 1/GRID, ..., 1}
-
-
-@dataclass
-class AWQScheme(WeightScheme):
-    group_size: int = 32
-    symmetric: bool = False
-    grid: int = GRID  # alpha in {0, 1/grid, ..., 1}; alpha = 0 is plain RTN
-    calibration: str = "wiki"
-    n_samples: int = 16
-    seq_len: int = 512
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"awq group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
-        if self.grid < 0:
-            raise ValueError(f"awq grid {self.grid}; valid: >= 0 (0: plain round-to-nearest)")
-
-    def short_name(self) -> str:
-        return f"awq-g{self.group_size}{'-sym' if self.symmetric else ''}"
 
 
 def support(cfg: AWQScheme, hw: Hardware) -> Support:

@@ -1,32 +1,13 @@
 """NF4 / FP4 blockwise 4-bit weights through bitsandbytes (CPU and CUDA backends)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
 
 from quantlab.hardware import Hardware
-from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.configs import BnB4Scheme
 from quantlab.schemes import layers
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
-
-QUANT_TYPES = ("nf4", "fp4")
-
-
-@dataclass
-class BnB4Scheme(WeightScheme):
-    quant_type: str = "nf4"
-    block_size: int = 64
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.quant_type not in QUANT_TYPES:
-            raise ValueError(f"bnb quant_type {self.quant_type!r}; valid: {', '.join(QUANT_TYPES)}")
-
-    def short_name(self) -> str:
-        return self.quant_type if self.block_size == 64 else f"{self.quant_type}-b{self.block_size}"
-
 
 def support(cfg: BnB4Scheme, hw: Hardware) -> Support:
     try:

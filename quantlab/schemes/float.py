@@ -1,33 +1,13 @@
 """Plain floating-point weights: fp32, fp16, bf16 (a cast, no quantization)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers
-from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.configs import FloatScheme
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
-
-_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-
-@dataclass
-class FloatScheme(WeightScheme):
-    dtype: str = "bfloat16"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _SHORT:
-            raise ValueError(f"float scheme dtype {self.dtype!r}; valid: {', '.join(_SHORT)}")
-
-    def short_name(self) -> str:
-        return _SHORT[self.dtype]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
 
 def support(cfg: FloatScheme, hw: Hardware) -> Support:
     """Real everywhere: weights stay in ``dtype`` in memory and the GEMM reads
@@ -46,7 +26,7 @@ def apply(model: torch.nn.Module, cfg: FloatScheme, ctx: ApplyContext) -> Applie
     """Cast the parameters only, as every quantized scheme does: buffers such as
     RoPE's ``inv_freq`` stay fp32, so a float baseline carries no rounding of
     the positions that the points it is compared with do not."""
-    layers.cast_parameters(model, cfg.torch_dtype)
+    layers.cast_parameters(model, getattr(torch, cfg.dtype))
     return Applied(backend="torch", emulated=False)
 
 

@@ -6,38 +6,16 @@ emulated: FP8 storage, dequantized to the compute dtype per call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
 
 from quantlab.hardware import Hardware
-from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.configs import FP8_FORMATS, FP8Scheme
 from quantlab.schemes import layers
 from quantlab.schemes.qlinear import FP8Linear
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
-FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-ACTIVATIONS = ("none", "dynamic")
-
-
-@dataclass
-class FP8Scheme(WeightScheme):
-    format: str = "e4m3"
-    activations: str = "none"  # none: weight-only; dynamic: W8A8, per-token scales
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"fp8 format {self.format!r}; valid: {', '.join(FORMATS)}")
-        if self.activations not in ACTIVATIONS:
-            raise ValueError(f"fp8 activations {self.activations!r}; valid: {', '.join(ACTIVATIONS)}")
-
-    def short_name(self) -> str:
-        """The preset's name: ``fp8-e4m3``, ``fp8-e5m2``, ``fp8-w8a8`` (E4M3 W8A8)."""
-        if self.activations == "dynamic":
-            return "fp8-w8a8" if self.format == "e4m3" else f"fp8-{self.format}-w8a8"
-        return f"fp8-{self.format}"
+FORMATS = dict(zip(FP8_FORMATS, (torch.float8_e4m3fn, torch.float8_e5m2)))
 
 
 def _fp8_tensor_cores(hw: Hardware) -> bool:

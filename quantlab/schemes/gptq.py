@@ -13,7 +13,6 @@ asserts CUDA. The solver is ~60 lines (``gptq_solver.py``) and tested against RT
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -21,7 +20,7 @@ from torch import nn
 from quantlab import calibration
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers
-from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.configs import GPTQScheme
 from quantlab.schemes.gptq_solver import HessianAccumulator, gptq_int4
 from quantlab.schemes.int4 import checkpoint as int4_checkpoint
 from quantlab.schemes.int4 import gguf as int4_gguf
@@ -29,29 +28,6 @@ from quantlab.schemes.qlinear import Int4Linear
 from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
 
 log = logging.getLogger("quantlab")
-
-
-@dataclass
-class GPTQScheme(WeightScheme):
-    bits: int = 4
-    group_size: int = 64
-    symmetric: bool = False
-    act_order: bool = False
-    damp: float = 0.01
-    calibration: str = "wiki"
-    n_samples: int = 64
-    seq_len: int = 512
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.bits not in (3, 4, 8):
-            raise ValueError(f"gptq bits {self.bits}; valid: 3, 4, 8")
-
-    def short_name(self) -> str:
-        """The preset's name (``gptq-g64``); other bit widths carry theirs (``gptq3-g64``)."""
-        bits = "" if self.bits == 4 else str(self.bits)
-        return f"gptq{bits}-g{self.group_size}{'-sym' if self.symmetric else ''}{'-ao' if self.act_order else ''}"
 
 
 def support(cfg: GPTQScheme, hw: Hardware) -> Support:

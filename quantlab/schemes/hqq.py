@@ -16,7 +16,6 @@ Neither exports: compressed-tensors and GGUF store integer zero points.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,30 +23,11 @@ from torch import nn
 
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers
-from quantlab.schemes.base import WeightScheme
-from quantlab.schemes.int4 import GROUP_SIZES
+from quantlab.schemes.configs import HQQScheme
 from quantlab.schemes.qlinear import Int4Linear
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 log = logging.getLogger("quantlab")
-BITS = (4, 8)
-
-
-@dataclass
-class HQQScheme(WeightScheme):
-    nbits: int = 4
-    group_size: int = 64
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.nbits not in BITS:
-            raise ValueError(f"hqq nbits {self.nbits}; valid: {', '.join(map(str, BITS))}")
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"hqq group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
-
-    def short_name(self) -> str:
-        return f"hqq{self.nbits}-g{self.group_size}"
 
 
 def quantize(w: torch.Tensor, nbits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,33 +1,14 @@
 """INT4 blockwise round-to-nearest: group size 32/64/128, symmetric or asymmetric."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
 
 from quantlab.hardware import Hardware
-from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.configs import Int4Scheme
 from quantlab.schemes import layers
 from quantlab.schemes.qlinear import Int4Linear
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
-
-GROUP_SIZES = (32, 64, 128, 256)
-
-
-@dataclass
-class Int4Scheme(WeightScheme):
-    group_size: int = 64
-    symmetric: bool = False
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"int4 group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
-
-    def short_name(self) -> str:
-        return f"int4-g{self.group_size}{'-sym' if self.symmetric else ''}"
-
 
 def support(cfg: Int4Scheme, hw: Hardware) -> Support:
     if hw.device == "cpu":

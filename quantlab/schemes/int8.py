@@ -1,24 +1,14 @@
 """INT8 weight-only, per-output-channel symmetric (round to nearest)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
 
 from quantlab.hardware import Hardware
-from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.configs import Int8Scheme
 from quantlab.schemes import layers
 from quantlab.schemes.qlinear import Int8Linear
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
-
-
-@dataclass
-class Int8Scheme(WeightScheme):
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
-
-    def short_name(self) -> str:
-        return "int8"
 
 
 def support(cfg: Int8Scheme, hw: Hardware) -> Support:

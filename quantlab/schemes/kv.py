@@ -15,56 +15,15 @@ compute dtype: on CPU a quantized cache saves memory, not time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, Fp8QuantizedLayer
 
 from quantlab.schemes.base import KVScheme
+from quantlab.schemes.configs import FP8KV, Int4KV, Int8KV, NoKV
 from quantlab.hardware import Hardware
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_kv
-
-
-@dataclass
-class NoKV(KVScheme):
-    """Unquantized KV cache in the model's compute dtype."""
-
-    def short_name(self) -> str:
-        return ""
-
-
-@dataclass
-class Int8KV(KVScheme):
-    scales: str = "static"  # static: per head from the prefill; dynamic: per head and token
-
-    def __post_init__(self) -> None:
-        if self.scales not in ("static", "dynamic"):
-            raise ValueError(f"int8 kv scales {self.scales!r}; valid: static, dynamic")
-
-    def short_name(self) -> str:
-        return "kv8" if self.scales == "static" else "kv8-dyn"
-
-
-@dataclass
-class Int4KV(KVScheme):
-    group_size: int = 32
-    residual_length: int = 128
-
-    def __post_init__(self) -> None:
-        if self.group_size < 2 or self.group_size % 2:
-            raise ValueError(f"int4 kv group_size must be even and >= 2, got {self.group_size}")
-        if self.residual_length < 0:
-            raise ValueError(f"int4 kv residual_length must be >= 0, got {self.residual_length}")
-
-    def short_name(self) -> str:
-        return f"kv4-g{self.group_size}"
-
-
-@dataclass
-class FP8KV(KVScheme):
-    def short_name(self) -> str:
-        return "kvfp8"
 
 
 class Int8Layer(BaseQuantizedLayer):

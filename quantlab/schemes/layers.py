@@ -8,8 +8,6 @@ from torch import nn
 
 from quantlab.errors import UserError
 
-DEFAULT_SKIP = ["lm_head"]
-
 
 def select(model: nn.Module, skip: list[str]) -> list[tuple[str, nn.Linear]]:
     """All ``nn.Linear`` modules whose qualified name matches no ``skip`` glob

@@ -21,28 +21,18 @@ recipe itself, not a path to a file that may change.
 from __future__ import annotations
 
 import functools
-import re
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-import yaml
 
 from quantlab import calibration
 from quantlab.errors import UserError
 from quantlab.hardware import Hardware
 from quantlab.schemes import awq, layers
-from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.configs import AWQ_GRID, KEEP, MixedScheme, _INT4
 from quantlab.schemes.awq import rtn_dequantized
 from quantlab.schemes.qlinear import Int4Linear, Int8Linear, rtn_int8
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
-_INT4 = re.compile(r"^int4-g(?P<g>32|64|128|256)(?P<sym>-sym)?$")
-KEEP = "bf16"
-
-
-def valid_candidate(name: str) -> bool:
-    return name in (KEEP, "int8") or bool(_INT4.match(name))
 
 
 def _int8_readback(w: torch.Tensor) -> torch.Tensor:
@@ -76,37 +66,6 @@ def quantize_linear(lin: torch.nn.Linear, candidate: str, dtype: torch.dtype) ->
     return Int4Linear.from_linear(lin, group, bool(m["sym"]), dtype)
 
 
-@dataclass
-class MixedScheme(WeightScheme):
-    recipe: str = ""  # a recipe YAML; its name/default/layers replace the fields below
-    name: str = "custom"
-    default: str = "int4-g64"
-    layers: dict[str, str] = field(default_factory=dict)
-    awq: bool = False  # search and fold AWQ scales for the recipe's candidates first
-    calibration: str = "wiki"  # for awq
-    n_samples: int = 16
-    seq_len: int = 512
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.recipe:
-            path = Path(self.recipe).expanduser()
-            if not path.is_file():
-                raise ValueError(f"mixed recipe {self.recipe} not found (python -m quantlab.sensitivity writes one)")
-            data = yaml.safe_load(path.read_text()) or {}
-            self.name = str(data.get("name", path.stem))
-            self.default = data.get("default", self.default)
-            self.layers = dict(data.get("layers") or {})
-            self.recipe = ""  # the assignment is now in the config itself
-        bad = sorted({c for c in (self.default, *self.layers.values()) if not valid_candidate(c)})
-        if bad:
-            raise ValueError(f"mixed recipe candidates {bad}; valid: bf16, int8, int4-g32/g64/g128/g256[-sym]")
-
-    def short_name(self) -> str:
-        return f"mixed-{self.name}{'-awq' if self.awq else ''}"
-
-
 def support(cfg: MixedScheme, hw: Hardware) -> Support:
     if hw.device == "cpu":
         return Support("real", "each layer on its uniform scheme's CPU kernel")
@@ -125,7 +84,7 @@ def apply(model: torch.nn.Module, cfg: MixedScheme, ctx: ApplyContext) -> Applie
         model.float()
         ids, tags = calibration.batch_or_builtin(cfg.calibration, "awq", ctx, cfg.n_samples, cfg.seq_len)
         tags.update(awq.scale_model(model, {n: readback(cfg.layers.get(n, cfg.default)) for n, _ in linears},
-                                    ids, awq.GRID))
+                                    ids, AWQ_GRID))
     counts: dict[str, int] = {}
     for name, lin in linears:
         choice = cfg.layers.get(name, cfg.default)

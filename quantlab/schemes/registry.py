@@ -20,6 +20,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from quantlab.schemes import configs
+
 if TYPE_CHECKING:  # annotations only: this module stays importable without torch (export's command line)
     import torch
 
@@ -125,13 +127,21 @@ def _load() -> None:
 
 
 def weight_schemas() -> dict[str, type]:
-    _load()
-    return {h.schema: h.config_type for h in _WEIGHTS.values()}
+    """Schema name -> config type, without loading a handler (no torch)."""
+    return dict(configs.WEIGHT_SCHEMAS)
 
 
 def kv_schemas() -> dict[str, type]:
+    """Schema name -> config type, without loading a handler (no torch)."""
+    return dict(configs.KV_SCHEMAS)
+
+
+def registered() -> tuple[dict[str, type], dict[str, type]]:
+    """What the handler modules registered (loading them): schema name ->
+    config type, weights and KV; equal to :data:`configs.WEIGHT_SCHEMAS` and
+    :data:`configs.KV_SCHEMAS` (a test holds them so)."""
     _load()
-    return {h.schema: h.config_type for h in _KV.values()}
+    return ({h.schema: h.config_type for h in _WEIGHTS.values()}, {h.schema: h.config_type for h in _KV.values()})
 
 
 def _lookup(table: dict[type, Handler], cfg: Any, kind: str) -> Handler:

@@ -21,7 +21,6 @@ sees the rotation, so its alpha is chosen for the rotated layer.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -29,44 +28,11 @@ from torch import nn
 from quantlab import calibration
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers, smoothing
-from quantlab.schemes.base import WeightScheme
+from quantlab.schemes.configs import W8A8Scheme
 from quantlab.schemes.qlinear import Int8DynLinear, rotate_blocks, rtn_int8
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 log = logging.getLogger("quantlab")
-
-
-@dataclass
-class W8A8Scheme(WeightScheme):
-    smooth: bool = True  # false: naive W8A8, the reference SmoothQuant is measured against
-    alpha: float = 0.5  # migration strength (0: none, 1: all onto the weights)
-    grid: int = 0  # > 0: alpha per layer group, searched in {0, 1/grid, ..., 1}; alpha is then unused
-    rotate_down: int = 0  # > 0: online block-Hadamard of this size (a power of two) on down_proj's input
-    calibration: str = "wiki"
-    n_samples: int = 16
-    seq_len: int = 512
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(layers.DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"w8a8 alpha {self.alpha}; valid: 0..1")
-        if self.grid < 0:
-            raise ValueError(f"w8a8 grid {self.grid}; valid: >= 0 (0: the one alpha)")
-        if self.rotate_down < 0 or self.rotate_down & (self.rotate_down - 1):
-            raise ValueError(f"w8a8 rotate_down {self.rotate_down}; valid: 0 (none) or a power of two")
-
-    def short_name(self) -> str:
-        """``w8a8``, ``w8a8-sq`` (the preset's alpha 0.5), ``w8a8-sq-a0.75`` (any
-        other alpha), ``w8a8-sq-auto`` (alpha searched per group); a rotated
-        ``down_proj`` adds ``-had<block>``."""
-        if not self.smooth:
-            name = "w8a8"
-        elif self.grid:
-            name = "w8a8-sq-auto"
-        else:
-            name = "w8a8-sq" if self.alpha == 0.5 else f"w8a8-sq-a{self.alpha:g}"
-        return f"{name}-had{self.rotate_down}" if self.rotate_down else name
 
 
 def support(cfg: W8A8Scheme, hw: Hardware) -> Support:

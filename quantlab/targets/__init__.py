@@ -3,8 +3,9 @@
 A target answers ``supports(weights, kv)`` before anything is loaded (so an
 impossible point is recorded as skipped, not crashed) and ``engine(model, kv)``
 turns the quantized model into the engine the probes talk to. A new runtime is
-one module that defines its config dataclass and target and calls
-:func:`register`, plus its YAML preset under ``conf/target/``.
+its config dataclass (``targets/configs.py``, importable without torch, so a
+bad value is refused at compose time), one module that defines its target and
+calls :func:`register`, and its YAML preset under ``conf/target/``.
 
 This package imports only the standard library at start: the Neuron worker
 (``quantlab.targets.neuron_worker``) runs under an interpreter without
@@ -31,7 +32,17 @@ def _load() -> None:
 
 
 def config_types() -> list[type]:
-    """Every registered target config dataclass (stored in Hydra's ConfigStore)."""
+    """Every target config dataclass (stored in Hydra's ConfigStore) without
+    loading a target (no torch): quantlab's own
+    (:data:`quantlab.targets.configs.CONFIGS`) and any a plugin registered."""
+    from quantlab.targets.configs import CONFIGS
+
+    return [*CONFIGS, *(t for t in _TARGETS if t not in CONFIGS)]
+
+
+def registered() -> list[type]:
+    """The config types the target modules registered (loading them); equal
+    to :func:`config_types` (a test holds them so)."""
     _load()
     return list(_TARGETS)
 

@@ -3,28 +3,14 @@ optional static KV cache."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
 from quantlab import hardware
-from quantlab.config import TargetConfig
+from quantlab.targets.configs import CPUTargetConfig
 from quantlab.targets import register
 from quantlab.targets.base import LocalTarget
-
-
-@dataclass
-class CPUTargetConfig(TargetConfig):
-    """``compile``: torch.compile (inductor). ``compile_mode``: torch.compile's
-    mode. ``static_cache``: > 0 decodes into a preallocated ``StaticCache`` of
-    that many tokens (fixed shapes: no recompiles, and what CUDA graphs need)."""
-
-    name: str = "cpu"
-    threads: Optional[int] = field(default=None, metadata={"min": 1})  # None: leave torch's default (all cores)
-    compile: bool = False
-    compile_mode: str = field(default="default", metadata={"choices": ("default", "max-autotune-no-cudagraphs")})
-    static_cache: int = 0
 
 
 class CPUTarget(LocalTarget):

@@ -2,28 +2,14 @@
 (``compile_mode=reduce-overhead`` over a static KV cache)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import torch
 
 from quantlab import hardware
-from quantlab.config import TargetConfig
+from quantlab.targets.configs import CUDATargetConfig
 from quantlab.errors import UserError
 from quantlab.targets import register
 from quantlab.targets.base import LocalTarget
-
-
-@dataclass
-class CUDATargetConfig(TargetConfig):
-    """As the CPU target; ``compile_mode=reduce-overhead`` captures CUDA graphs
-    and needs ``static_cache`` > 0."""
-
-    name: str = "cuda"
-    device: int = 0
-    compile: bool = False
-    compile_mode: str = field(default="default", metadata={"choices": (
-        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")})
-    static_cache: int = 0
 
 
 class CUDATarget(LocalTarget):

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from quantlab import hardware
-from quantlab.config import TargetConfig
+from quantlab.targets.configs import LlamaCppTargetConfig
 from quantlab.engines.llamacpp import INSTALL, LlamaCppEngine, llama_cpp
-from quantlab.errors import UserError
 from quantlab.export import cache as export_cache
 from quantlab.export import gguf as gguf_export
 from quantlab.export.cache import content_key
@@ -37,18 +35,6 @@ from quantlab.targets.base import Target, worst
 log = logging.getLogger("quantlab")
 
 
-@dataclass
-class LlamaCppTargetConfig(TargetConfig):
-    """``threads``: llama.cpp threads (None: all cores). ``n_ctx``: context slots
-    of the KV cache. ``gguf_cache``: where exported points are kept by content."""
-
-    name: str = "llamacpp"
-    threads: Optional[int] = None
-    n_ctx: int = 2048
-    n_batch: int = 512
-    gguf_cache: str = "~/.cache/quantlab/gguf"
-
-
 class LlamaCppTarget(Target):
     name = "llamacpp"
     serves_export = True
@@ -56,8 +42,6 @@ class LlamaCppTarget(Target):
 
     def __init__(self, cfg: LlamaCppTargetConfig):
         super().__init__(cfg)
-        if cfg.n_ctx < 16 or cfg.n_batch < 1:
-            raise UserError(f"llamacpp: n_ctx must be >= 16 and n_batch >= 1 (got {cfg.n_ctx}, {cfg.n_batch})")
 
     def hardware(self) -> Hardware | None:
         return hardware.cpu() if llama_cpp() is not None else None

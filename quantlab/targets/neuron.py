@@ -13,13 +13,12 @@ import json
 import select
 import shutil
 import subprocess
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from quantlab.config import TargetConfig
+from quantlab.targets.configs import NeuronTargetConfig
 from quantlab.decode import Decoded, greedy
 from quantlab.engines.base import Engine
 from quantlab.errors import UserError
@@ -30,19 +29,6 @@ from quantlab.targets.base import Target
 
 WORKER = "quantlab.targets.neuron_worker"
 
-
-@dataclass
-class NeuronTargetConfig(TargetConfig):
-    """AWS Inferentia2/Trainium via optimum-neuron in its own interpreter."""
-
-    name: str = "neuron"
-    python: str = "python3"  # the Neuron virtualenv's interpreter
-    batch_size: int = field(default=1, metadata={"min": 1})
-    sequence_length: int = field(default=2048, metadata={"min": 1})
-    num_cores: int = field(default=2, metadata={"min": 1})  # tensor-parallel degree
-    compile_cache: str = "~/.cache/quantlab/neuron"
-    compile: bool = True
-    timeout_s: float = field(default=3600.0, metadata={"above": 0})
 
 DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 

@@ -25,14 +25,13 @@ import copy
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from quantlab import hardware
-from quantlab.config import TargetConfig
+from quantlab.targets.configs import VllmTargetConfig
 from quantlab.engines.vllm import VllmEngine
 from quantlab.export import checkpoint, formats
 from quantlab.export import cache as export_cache
@@ -47,35 +46,6 @@ log = logging.getLogger("quantlab")
 
 # quantlab's KV scheme (short name) -> vLLM's --kv-cache-dtype
 _KV = {"": "auto", "kvfp8": "fp8"}
-
-
-@dataclass
-class VllmTargetConfig(TargetConfig):
-    """``python``: vLLM's venv interpreter (None: ``$QUANTLAB_VLLM_PYTHON``).
-    ``dtype``: the server's ``--dtype`` (``auto``: the checkpoint's).
-    ``max_num_seqs``: sequences the scheduler runs at once (the load probe
-    restarts the server with ``probe.load.max_batch``). ``kv_cache_gib``: the
-    CPU build's KV-cache budget. ``logprobs_topk``: k > 0 (default 20) asks
-    the server for the top k log-probabilities per position (fidelity then
-    logs a top-k KL, a lower bound named apart from ``fid/kl_mean``;
-    perplexity and lm-eval need only the actual token's, which the server
-    always returns); 0 asks for whole distributions (exact KL; about 0.9 s per
-    position at SmolLM2's 49,152-token vocabulary on 2 cores). ``port``: None
-    picks a free one."""
-
-    name: str = "vllm"
-    device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda")})  # which vLLM build
-    python: Optional[str] = None
-    dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16", "float16")})
-    max_num_seqs: int = field(default=8, metadata={"min": 1})
-    max_model_len: int = field(default=2048, metadata={"min": 16})
-    kv_cache_gib: float = field(default=1.0, metadata={"above": 0})
-    threads: Optional[int] = field(default=None, metadata={"min": 1})
-    logprobs_topk: int = field(default=20, metadata={"min": 0})
-    port: Optional[int] = field(default=None, metadata={"min": 1})
-    ready_timeout_s: float = field(default=600.0, metadata={"above": 0})
-    enforce_eager: bool = True
-    export_cache: str = "~/.cache/quantlab/vllm-exports"
 
 
 class VllmTarget(Target):

@@ -1,0 +1,309 @@
+"""Every scheme's config: the dataclasses Hydra composes and MLflow records.
+
+This module imports neither torch nor any kernel library, so a command line
+is composed and refused (unknown value, bad range, bad recipe file) before
+anything heavy loads. The handlers that apply a config live in the scheme's
+own module (``schemes/int4.py`` applies :class:`Int4Scheme`) and register
+under the schema names of :data:`WEIGHT_SCHEMAS` / :data:`KV_SCHEMAS`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from quantlab.schemes.base import KVScheme, WeightScheme
+
+DEFAULT_SKIP = ["lm_head"]  # Linear layers no scheme quantizes unless told (fnmatch patterns)
+GROUP_SIZES = (32, 64, 128, 256)  # int4 groups the CPU kernel takes
+FP8_FORMATS = ("e4m3", "e5m2")
+FP8_ACTIVATIONS = ("none", "dynamic")
+BNB4_QUANT_TYPES = ("nf4", "fp4")
+HQQ_BITS = (4, 8)
+AWQ_GRID = 20  # alpha in {0, 1/AWQ_GRID, ..., 1}
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+# mixed recipes: a candidate per layer
+KEEP = "bf16"
+_INT4 = re.compile(r"^int4-g(?P<g>32|64|128|256)(?P<sym>-sym)?$")
+CANDIDATES = "bf16, int8, int4-g32/g64/g128/g256[-sym]"
+_RECIPE_KEYS = ("name", "default", "layers", "predicted", "source")  # the last two: what the sensitivity tool
+# predicted and measured on, kept for the reader, not read
+
+
+def valid_candidate(name: object) -> bool:
+    return isinstance(name, str) and (name in (KEEP, "int8") or bool(_INT4.match(name)))
+
+
+def read_recipe(recipe: str, default: str) -> tuple[str, str, dict[str, str]]:
+    """``(name, default, layers)`` of a recipe file (the keys
+    ``python -m quantlab.sensitivity`` writes; ``predicted`` and ``source``
+    are for the reader). Raises ``ValueError`` with
+    one line naming the file and the problem: missing, not YAML, not a
+    mapping, an unknown key, a field of the wrong type, an unknown candidate."""
+    path = Path(recipe).expanduser()
+    if not path.is_file():
+        raise ValueError(f"mixed recipe {recipe} not found (python -m quantlab.sensitivity writes one)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"mixed recipe {path}: not valid YAML{where} ({getattr(e, 'problem', None) or e})") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"mixed recipe {path}: a mapping of {', '.join(_RECIPE_KEYS)} expected, "
+                         f"got {type(data).__name__}")
+    if unknown := sorted(map(str, set(data) - set(_RECIPE_KEYS))):
+        raise ValueError(f"mixed recipe {path}: unknown key {unknown[0]!r}; valid: {', '.join(_RECIPE_KEYS)}")
+    default = data.get("default", default)
+    if not valid_candidate(default):
+        raise ValueError(f"mixed recipe {path}: default {default!r}; valid: {CANDIDATES}")
+    layers = data.get("layers") or {}
+    if not isinstance(layers, dict):
+        raise ValueError(f"mixed recipe {path}: layers must map layer names to candidates, "
+                         f"got {type(layers).__name__}")
+    for name, choice in layers.items():
+        if not valid_candidate(choice):
+            raise ValueError(f"mixed recipe {path}: layer {name}: {choice!r}; valid: {CANDIDATES}")
+    return str(data.get("name", path.stem)), default, {str(k): v for k, v in layers.items()}
+
+
+@dataclass
+class FloatScheme(WeightScheme):
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _SHORT:
+            raise ValueError(f"float scheme dtype {self.dtype!r}; valid: {', '.join(_SHORT)}")
+
+    def short_name(self) -> str:
+        return _SHORT[self.dtype]
+
+
+@dataclass
+class Int8Scheme(WeightScheme):
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def short_name(self) -> str:
+        return "int8"
+
+
+@dataclass
+class Int4Scheme(WeightScheme):
+    group_size: int = 64
+    symmetric: bool = False
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
+
+    def short_name(self) -> str:
+        return f"int4-g{self.group_size}{'-sym' if self.symmetric else ''}"
+
+
+@dataclass
+class FP8Scheme(WeightScheme):
+    format: str = "e4m3"
+    activations: str = "none"  # none: weight-only; dynamic: W8A8, per-token scales
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.format not in FP8_FORMATS:
+            raise ValueError(f"fp8 format {self.format!r}; valid: {', '.join(FP8_FORMATS)}")
+        if self.activations not in FP8_ACTIVATIONS:
+            raise ValueError(f"fp8 activations {self.activations!r}; valid: {', '.join(FP8_ACTIVATIONS)}")
+
+    def short_name(self) -> str:
+        """The preset's name: ``fp8-e4m3``, ``fp8-e5m2``, ``fp8-w8a8`` (E4M3 W8A8)."""
+        if self.activations == "dynamic":
+            return "fp8-w8a8" if self.format == "e4m3" else f"fp8-{self.format}-w8a8"
+        return f"fp8-{self.format}"
+
+
+@dataclass
+class BnB4Scheme(WeightScheme):
+    quant_type: str = "nf4"
+    block_size: int = 64
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.quant_type not in BNB4_QUANT_TYPES:
+            raise ValueError(f"bnb quant_type {self.quant_type!r}; valid: {', '.join(BNB4_QUANT_TYPES)}")
+
+    def short_name(self) -> str:
+        return self.quant_type if self.block_size == 64 else f"{self.quant_type}-b{self.block_size}"
+
+
+@dataclass
+class GPTQScheme(WeightScheme):
+    bits: int = 4
+    group_size: int = 64
+    symmetric: bool = False
+    act_order: bool = False
+    damp: float = 0.01
+    calibration: str = "wiki"
+    n_samples: int = 64
+    seq_len: int = 512
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.bits not in (3, 4, 8):
+            raise ValueError(f"gptq bits {self.bits}; valid: 3, 4, 8")
+
+    def short_name(self) -> str:
+        """The preset's name (``gptq-g64``); other bit widths carry theirs (``gptq3-g64``)."""
+        bits = "" if self.bits == 4 else str(self.bits)
+        return f"gptq{bits}-g{self.group_size}{'-sym' if self.symmetric else ''}{'-ao' if self.act_order else ''}"
+
+
+@dataclass
+class AWQScheme(WeightScheme):
+    group_size: int = 32
+    symmetric: bool = False
+    grid: int = AWQ_GRID  # alpha in {0, 1/grid, ..., 1}; alpha = 0 is plain RTN
+    calibration: str = "wiki"
+    n_samples: int = 16
+    seq_len: int = 512
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"awq group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
+        if self.grid < 0:
+            raise ValueError(f"awq grid {self.grid}; valid: >= 0 (0: plain round-to-nearest)")
+
+    def short_name(self) -> str:
+        return f"awq-g{self.group_size}{'-sym' if self.symmetric else ''}"
+
+
+@dataclass
+class HQQScheme(WeightScheme):
+    nbits: int = 4
+    group_size: int = 64
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.nbits not in HQQ_BITS:
+            raise ValueError(f"hqq nbits {self.nbits}; valid: {', '.join(map(str, HQQ_BITS))}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"hqq group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
+
+    def short_name(self) -> str:
+        return f"hqq{self.nbits}-g{self.group_size}"
+
+
+@dataclass
+class W8A8Scheme(WeightScheme):
+    smooth: bool = True  # false: naive W8A8, the reference SmoothQuant is measured against
+    alpha: float = 0.5  # migration strength (0: none, 1: all onto the weights)
+    grid: int = 0  # > 0: alpha per layer group, searched in {0, 1/grid, ..., 1}; alpha is then unused
+    rotate_down: int = 0  # > 0: online block-Hadamard of this size (a power of two) on down_proj's input
+    calibration: str = "wiki"
+    n_samples: int = 16
+    seq_len: int = 512
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"w8a8 alpha {self.alpha}; valid: 0..1")
+        if self.grid < 0:
+            raise ValueError(f"w8a8 grid {self.grid}; valid: >= 0 (0: the one alpha)")
+        if self.rotate_down < 0 or self.rotate_down & (self.rotate_down - 1):
+            raise ValueError(f"w8a8 rotate_down {self.rotate_down}; valid: 0 (none) or a power of two")
+
+    def short_name(self) -> str:
+        """``w8a8``, ``w8a8-sq`` (the preset's alpha 0.5), ``w8a8-sq-a0.75`` (any
+        other alpha), ``w8a8-sq-auto`` (alpha searched per group); a rotated
+        ``down_proj`` adds ``-had<block>``."""
+        if not self.smooth:
+            name = "w8a8"
+        elif self.grid:
+            name = "w8a8-sq-auto"
+        else:
+            name = "w8a8-sq" if self.alpha == 0.5 else f"w8a8-sq-a{self.alpha:g}"
+        return f"{name}-had{self.rotate_down}" if self.rotate_down else name
+
+
+@dataclass
+class MixedScheme(WeightScheme):
+    recipe: str = ""  # a recipe YAML; its name/default/layers replace the fields below
+    name: str = "custom"
+    default: str = "int4-g64"
+    layers: dict[str, str] = field(default_factory=dict)
+    awq: bool = False  # search and fold AWQ scales for the recipe's candidates first
+    calibration: str = "wiki"  # for awq
+    n_samples: int = 16
+    seq_len: int = 512
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def __post_init__(self) -> None:
+        if self.recipe:
+            self.name, self.default, self.layers = read_recipe(self.recipe, self.default)
+            self.recipe = ""  # the assignment is now in the config itself
+        bad = sorted({c for c in (self.default, *self.layers.values()) if not valid_candidate(c)})
+        if bad:
+            raise ValueError(f"mixed recipe candidates {bad}; valid: {CANDIDATES}")
+
+    def short_name(self) -> str:
+        return f"mixed-{self.name}{'-awq' if self.awq else ''}"
+
+
+@dataclass
+class NoKV(KVScheme):
+    """Unquantized KV cache in the model's compute dtype."""
+
+    def short_name(self) -> str:
+        return ""
+
+
+@dataclass
+class Int8KV(KVScheme):
+    scales: str = "static"  # static: per head from the prefill; dynamic: per head and token
+
+    def __post_init__(self) -> None:
+        if self.scales not in ("static", "dynamic"):
+            raise ValueError(f"int8 kv scales {self.scales!r}; valid: static, dynamic")
+
+    def short_name(self) -> str:
+        return "kv8" if self.scales == "static" else "kv8-dyn"
+
+
+@dataclass
+class Int4KV(KVScheme):
+    group_size: int = 32
+    residual_length: int = 128
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2 or self.group_size % 2:
+            raise ValueError(f"int4 kv group_size must be even and >= 2, got {self.group_size}")
+        if self.residual_length < 0:
+            raise ValueError(f"int4 kv residual_length must be >= 0, got {self.residual_length}")
+
+    def short_name(self) -> str:
+        return f"kv4-g{self.group_size}"
+
+
+@dataclass
+class FP8KV(KVScheme):
+    def short_name(self) -> str:
+        return "kvfp8"
+
+
+# schema name -> config type; each handler module registers under its name
+WEIGHT_SCHEMAS: dict[str, type] = {
+    "float": FloatScheme, "int8": Int8Scheme, "int4": Int4Scheme, "fp8": FP8Scheme, "bnb4": BnB4Scheme,
+    "gptq": GPTQScheme, "awq": AWQScheme, "hqq": HQQScheme, "w8a8": W8A8Scheme, "mixed": MixedScheme}
+KV_SCHEMAS: dict[str, type] = {"none": NoKV, "int8": Int8KV, "int4": Int4KV, "fp8": FP8KV}
