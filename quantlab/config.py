@@ -19,6 +19,8 @@ ConfigStore and the dict round trip, which need every scheme and target, are
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -249,6 +251,8 @@ def validate(cfg: Any, path: str = "") -> None:
         raise ValueError(MODEL_PATH_HINT)
     if isinstance(cfg, LoadProbeConfig):
         _validate_load(cfg, path)
+    if isinstance(cfg, TrackingConfig):
+        _validate_driver(cfg.uri, f"{path}uri")
     if isinstance(cfg, LatencyProbeConfig) and cfg.max_repeats < cfg.repeats:
         raise ValueError(f"{path}max_repeats={cfg.max_repeats}: must be >= {path}repeats ({cfg.repeats})")
     for f in dataclasses.fields(cfg):
@@ -266,6 +270,22 @@ def validate(cfg: Any, path: str = "") -> None:
                 raise ValueError(f"{name}={value}: must be >= {f.metadata['min']}")
             if "above" in f.metadata and v <= f.metadata["above"]:
                 raise ValueError(f"{name}={value}: must be > {f.metadata['above']}")
+
+
+# SQLAlchemy dialect of a database tracking URI -> (driver module, what installs it)
+_DRIVERS = {"postgresql": ("psycopg2", "pip install 'quantlab[postgres]'"),
+            "postgresql+psycopg2": ("psycopg2", "pip install 'quantlab[postgres]'"),
+            "postgresql+psycopg": ("psycopg", "pip install 'psycopg[binary]', or use postgresql:// with quantlab[postgres]")}
+
+
+def _validate_driver(uri: str, name: str) -> None:
+    """A database tracking URI whose driver is not installed is refused here,
+    not as a ``ModuleNotFoundError`` when the first point opens the store."""
+    dialect = uri.split("://", 1)[0] if "://" in uri else ""
+    if dialect in _DRIVERS and importlib.util.find_spec(_DRIVERS[dialect][0]) is None:
+        module, install = _DRIVERS[dialect]
+        shown = re.sub(r"//[^@/]*@", "//***@", uri)  # no password in a message
+        raise ValueError(f"{name}={shown}: needs the {module} driver, which is not installed ({install})")
 
 
 def choices(config_type: type, name: str) -> tuple[str, ...]:

@@ -182,3 +182,25 @@ def test_every_policy_the_config_offers_is_served():
     assert tuple(policies.NEEDS) == POLICIES == choices(LoadProbeConfig, "policies")
     with pytest.raises(ValueError, match="policies: unknown 'fifo'; valid: continuous, dynamic, passthrough"):
         policies.make_policy("fifo", None, LoadProbeConfig())
+
+
+def test_a_postgres_store_without_its_driver_names_the_extra(monkeypatch):
+    """Was a ``ModuleNotFoundError: No module named 'psycopg'`` when the first
+    point opened the store; now refused at compose time, password hidden."""
+    import importlib.util
+
+    import tomllib
+
+    from quantlab.config import TrackingConfig, validate
+    from tests.conftest import REPO
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n.startswith("psycopg") else real(n, *a))
+    with pytest.raises(ValueError, match=r"uri=postgresql://\*\*\*@db:5432/mlflow: needs the psycopg2 driver, "
+                                         r"which is not installed \(pip install 'quantlab\[postgres\]'\)"):
+        validate(TrackingConfig(uri="postgresql://me:secret@db:5432/mlflow"), "tracking.")
+    with pytest.raises(ValueError, match=r"needs the psycopg driver.*psycopg\[binary\]"):
+        validate(TrackingConfig(uri="postgresql+psycopg://db/mlflow"))
+    validate(TrackingConfig(uri="sqlite:///m.db"))
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("psycopg2") for d in extras["postgres"])
