@@ -65,7 +65,8 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
                     and not decision.auxiliary(k)})
     columns = [*COLUMNS, *((k, k, "{:.4g}" if k.startswith("ppl") else "{:.3f}") for k in extra)]
     if any("load/knee_rps" in r.data.metrics for r in runs):
-        columns.append(("capacity under SLO req/s", "load/knee_rps", "{:.2f}"))
+        columns += [("capacity under SLOs req/s", "load/knee_rps", "{:.2f}"),
+                    (f"capacity {uncertainty.LEVEL:.0%} lower bound", "load/knee_rps_lower", "{:.2f}")]
     rows = [[h for h, _, _ in columns]]
     for r in runs:
         note = " (baseline)" if base is not None and r.info.run_id == base.info.run_id else ""
@@ -161,8 +162,8 @@ def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, flo
 DEFAULT_BUDGETS = (0.01, 0.05)
 # What a budget's pick maximises: (metric, sign so that lower cost wins, words, unit).
 OBJECTIVES = {"tpot": ("lat/tpot_ms_p50", 1.0, "the lowest decode TPOT P50", "ms/token"),
-              "capacity": ("load/knee_rps", -1.0, "the highest capacity under the SLO (the load probe's knee)",
-                           "req/s under the SLO")}
+              "capacity": ("load/knee_rps_lower", -1.0, "the highest capacity under the SLOs (the lower bound "
+                           "of the load probe's knee)", "req/s under the SLOs")}
 
 
 def decision_metric(runs, choice: str = "auto") -> str:
@@ -208,7 +209,8 @@ def objective(runs, choice: str = "auto") -> str:
     """``auto``: ``capacity`` when a finished run measured it (a serving
     sweep), else ``tpot``; otherwise ``choice``, checked."""
     if choice == "auto":
-        return "capacity" if any(tracking.done(r) and "load/knee_rps" in r.data.metrics for r in runs) else "tpot"
+        return "capacity" if any(tracking.done(r) and OBJECTIVES["capacity"][0] in r.data.metrics
+                                 for r in runs) else "tpot"
     if choice not in OBJECTIVES:
         raise UserError(f"unknown objective {choice!r}; valid: auto, {', '.join(OBJECTIVES)}")
     return choice
@@ -218,10 +220,10 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
            items: dict | None = None, by: str = "tpot") -> tuple[str, dict[float, Recommendation]]:
     """Markdown: the decision rule, frontiers and, per budget, the real point
     whose pessimistic loss is within it that is best by objective ``by``
-    (:data:`OBJECTIVES`: lowest TPOT, or highest capacity under the SLO)."""
+    (:data:`OBJECTIVES`: lowest TPOT, or highest capacity under the SLOs)."""
     key, sign, words, unit = OBJECTIVES[by]
     lat = points(runs, metric, "lat/tpot_ms_p50", base, items)
-    # a point whose load met the SLO at no rate (knee 0) has no capacity to offer
+    # a point whose load met the SLOs at no rate (knee or its lower bound 0) has no capacity to offer
     ranked = [dataclasses.replace(p, cost=sign * p.cost) for p in points(runs, metric, key, base, items)
               if by != "capacity" or p.cost > 0]
     mem = points(runs, metric, "size/weight_mb", base, items)
@@ -343,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metric", default="auto", help="decision metric (auto, fid/kl_mean, recovery/acc/...)")
     ap.add_argument("--budgets", default="0.01,0.05", help="comma-separated loss budgets")
     ap.add_argument("--objective", default="auto", help="what a budget's pick maximises: auto (capacity where the "
-                    "load probe ran, else tpot), tpot (lowest decode latency), capacity (highest req/s under the SLO)")
+                    "load probe ran, else tpot), tpot (lowest decode latency), capacity (highest lower bound of req/s under the SLOs)")
     ap.add_argument("--out", default=None, help="directory for report.md, pareto.png, pareto.html")
     ap.add_argument("--no-log", action="store_true", help="do not write to the parent run")
     args = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 """The sweep report's "Serving" section: what the load probe measured, point
 by point, in four tables, and one P99-against-rate plot overlaying points.
 
-1. Capacity under the SLO per point and policy (burst capacity, knee, goodput).
+1. Capacity under the SLOs per point and policy (burst capacity, knee and its bound, goodput).
 2. Policies side by side at each offered rate (P50/P99 TTFT and E2E, batch).
 3. KV capacity: sequences of the context that the KV budget holds per cache.
 4. Achieved memory bandwidth against offered rate per precision, with the knee.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
-from quantlab import plots, tracking
-from quantlab.probes import load
+from quantlab import plots, tracking, uncertainty
+from quantlab.probes import knee, load
 
 
 def _rows(client, run) -> list[dict]:
@@ -50,27 +50,36 @@ def section(client, runs, out: Path, title: str) -> tuple[str, list[str]]:
     skipped = [f"- {r.info.run_name}: {k.split('.')[1]} skipped: {v}" for r in runs
                for k, v in sorted(r.data.tags.items()) if k.startswith("load.") and k.endswith(".skipped")]
     if tables:
-        head = ["point", "policy", "capacity req/s (burst)", "knee req/s (P99 TTFT within SLO)",
+        head = ["point", "policy", "capacity req/s (burst)", "knee req/s (achieved)",
+                f"knee {uncertainty.LEVEL:.0%} lower bound", "SLO percentile", "first rate that failed",
                 "max achieved req/s", "max goodput req/s", "arrivals late P99 ms: idle / under load"]
         rows = []
         for name, tab in tables.items():
-            m = by_name[name].data.metrics
+            m, tags = by_name[name].data.metrics, by_name[name].data.tags
             for policy in dict.fromkeys(r["policy"] for r in tab):
+                q = m.get(f"load/{policy}/knee_percentile")
                 rows.append([name, policy, _fmt(m.get(f"load/{policy}/capacity_rps")),
-                             _fmt(m.get(f"load/{policy}/knee_rps")), _fmt(m.get(f"load/{policy}/achieved_rps_max")),
+                             _fmt(m.get(f"load/{policy}/knee_rps")), _fmt(m.get(f"load/{policy}/knee_rps_lower")),
+                             f"P{q:.0f}" if q else "-", tags.get(f"load.{policy}.knee_stop", "none"),
+                             _fmt(m.get(f"load/{policy}/achieved_rps_max")),
                              _fmt(m.get(f"load/{policy}/goodput_rps_max")),
                              _fmt(m.get("load/generator_late_ms_p99"), "{:.2f}") + " / "
                              + _fmt(m.get(f"load/{policy}/late_ms_p99_max"), "{:.2f}")])
-        parts += ["### 1. Capacity under the SLO", _md(head, rows),
-                  "knee: the highest offered rate that ended normally, kept up (achieved >= 0.9 x arrivals) and "
-                  "met the P99 TTFT SLO. Arrivals late: submitted minus scheduled, with no model running (idle) "
+        parts += ["### 1. Capacity under the SLOs", _md(head, rows),
+                  "knee: the rates are walked from the lowest; one passes when it ended normally, kept up "
+                  f"(achieved >= {knee.KEEP_UP} x arrivals), completed >= {knee.P90_MIN} requests and met both SLOs "
+                  f"(TTFT and per-request TPOT) at the tail percentile: P99 when every rate completed >= "
+                  f"{knee.P99_MIN} requests, else P90. The knee is the highest achieved rate of the rates that "
+                  "passed in a row (the first failure ends the walk); its lower bound resamples each rate's "
+                  f"requests (bootstrap, one-sided {uncertainty.LEVEL:.0%}) and is what the budget rule ranks "
+                  "capacity by. Arrivals late: submitted minus scheduled, with no model running (idle) "
                   "and the worst rate's P99 while serving. continuous = the engine's own scheduler (transformers' "
                   "continuous batching; llama-server's slots on llamacpp); dynamic = quantlab's reference "
                   "batcher (max batch, max wait); passthrough = one request at a time."]
-        head = ["point", "policy", "offered", "achieved", "TTFT p50", "TTFT p99", "ITL p99", "E2E p50", "E2E p99",
-                "mean batch", "ended"]
+        head = ["point", "policy", "offered", "achieved", "TTFT p50", "TTFT p99", "TPOT p99", "ITL p99", "E2E p50",
+                "E2E p99", "mean batch", "ended"]
         rows = [[name, r["policy"], _fmt(r["offered_rps"]), _fmt(r["achieved_rps"]), _fmt(r["ttft_ms_p50"], "{:.0f}"),
-                 _fmt(r["ttft_ms_p99"], "{:.0f}"), _fmt(r["itl_ms_p99"], "{:.0f}"), _fmt(r["e2e_ms_p50"], "{:.0f}"),
+                 _fmt(r["ttft_ms_p99"], "{:.0f}"), _fmt(r.get("tpot_ms_p99"), "{:.1f}"), _fmt(r["itl_ms_p99"], "{:.0f}"), _fmt(r["e2e_ms_p50"], "{:.0f}"),
                  _fmt(r["e2e_ms_p99"], "{:.0f}"), _fmt(r["batch_mean"], "{:.1f}"), r["stopped"] or "normally"]
                 for name, tab in tables.items() for r in tab]
         parts += ["### 2. Policies at each offered rate (requests/s; latencies in ms)", _md(head, rows)]
@@ -95,7 +104,7 @@ def section(client, runs, out: Path, title: str) -> tuple[str, list[str]]:
             policy = tags.get("load.knee_policy") or tab[0]["policy"]
             k = m.get(f"load/{policy}/knee_rps", 0.0)
             rows += [[name, policy, _fmt(r["offered_rps"]), _fmt(r["achieved_rps"]), _fmt(r["bw_gb_s"]),
-                      _fmt(100 * r["bw_util"], "{:.1f}"), "yes" if 0 < r["offered_rps"] <= k * (1 + 1e-3) else "no"]
+                      _fmt(100 * r["bw_util"], "{:.1f}"), "yes" if 0 < r["achieved_rps"] <= k * (1 + 1e-3) else "no"]
                      for r in tab if r["policy"] == policy]
         parts += ["### 4. Achieved weight bandwidth against offered rate (each point's knee policy)", _md(head, rows),
                   "GB/s = model forwards x weight bytes read per forward / makespan (KV reads not counted)."]

@@ -228,16 +228,16 @@ def test_auto_baseline_prefers_bf16_over_fp16_at_equal_bits():
 def test_capacity_objective_picks_the_most_requests_under_the_slo_within_budget():
     # int4 is fastest per token but loses 10 %; int8 serves more than bf16 under the SLO;
     # fp8 met the SLO at no rate (knee 0) and is never recommended by capacity
-    runs = [_run("bf16", 16, {"ppl_token_wikitext2_w1024": 20.0, "lat/tpot_ms_p50": 30, "load/knee_rps": 1.4}),
-            _run("int8", 8, {"ppl_token_wikitext2_w1024": 20.1, "lat/tpot_ms_p50": 25, "load/knee_rps": 1.9}),
-            _run("fp8", 8, {"ppl_token_wikitext2_w1024": 20.0, "lat/tpot_ms_p50": 24, "load/knee_rps": 0.0}),
-            _run("int4", 4, {"ppl_token_wikitext2_w1024": 22.2, "lat/tpot_ms_p50": 10, "load/knee_rps": 2.7})]
+    runs = [_run("bf16", 16, {"ppl_token_wikitext2_w1024": 20.0, "lat/tpot_ms_p50": 30, "load/knee_rps_lower": 1.4}),
+            _run("int8", 8, {"ppl_token_wikitext2_w1024": 20.1, "lat/tpot_ms_p50": 25, "load/knee_rps_lower": 1.9}),
+            _run("fp8", 8, {"ppl_token_wikitext2_w1024": 20.0, "lat/tpot_ms_p50": 24, "load/knee_rps_lower": 0.0}),
+            _run("int4", 4, {"ppl_token_wikitext2_w1024": 22.2, "lat/tpot_ms_p50": 10, "load/knee_rps_lower": 2.7})]
     metric = "ppl_token_wikitext2_w1024"
     assert report.objective(runs) == "capacity" and report.objective(runs[:0]) == "tpot"
     body, recs = report.decide(runs, metric, (0.01, 0.2), runs[0], {}, by="capacity")
     assert recs[0.01].point.name == "int8" and recs[0.2].point.name == "int4"
-    assert "Most capacity within 1% loss: **int8** — 1.90 req/s under the SLO" in body
-    assert "highest capacity under the SLO" in body
+    assert "Most capacity within 1% loss: **int8** — 1.90 req/s under the SLOs" in body
+    assert "highest capacity under the SLOs (the lower bound of the load probe's knee)" in body
     _, by_tpot = report.decide(runs, metric, (0.01,), runs[0], {}, by="tpot")
     assert by_tpot[0.01].point.name == "fp8"
     with pytest.raises(UserError, match="unknown objective 'qps'; valid: auto, tpot, capacity"):

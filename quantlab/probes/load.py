@@ -14,7 +14,7 @@ completed, so achieved < offered shows the saturation.
 Times are ``time.perf_counter()`` seconds from the rate's start. What a
 server does with the requests (requests, policies, schedulers) is
 :mod:`quantlab.serving`; this module makes the arrivals, runs the rates,
-summarises them and finds the knee.
+summarises them and finds each policy's knee (:mod:`quantlab.probes.knee`).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from quantlab.config import LoadProbeConfig, check_choice, choices
+from quantlab.probes import knee
 from quantlab.serving.policies import Policy, cannot, make_policy
 from quantlab.serving.requests import Limits, Request
 
@@ -103,11 +104,11 @@ def generator_lateness_ms(rate: float, n: int = 100) -> np.ndarray:
     g.join()
     return np.array([(r.sent_s - r.due_s) * 1e3 for r in reqs])
 
-def percentiles(prefix: str, values) -> dict[str, float]:
+def percentiles(prefix: str, values, qs: tuple[int, ...] = (50, 99)) -> dict[str, float]:
     a = np.asarray(list(values), dtype=np.float64)
     if a.size == 0:
         return {}
-    return {f"{prefix}_p50": float(np.percentile(a, 50)), f"{prefix}_p99": float(np.percentile(a, 99))}
+    return {f"{prefix}_p{q}": float(np.percentile(a, q)) for q in qs}
 
 
 def summarize(requests: list[Request], rate: float, stopped: str, steps: int, bytes_per_step: float,
@@ -120,7 +121,9 @@ def summarize(requests: list[Request], rate: float, stopped: str, steps: int, by
     completion (steady state: the same as ``sent_rps`` when the server keeps
     up, its service rate when it does not); ``makespan_rps`` and ``tok_s``:
     per second from the first submission to the last completion (what a burst
-    measures). Goodput: completed requests whose TTFT and mean TPOT both meet
+    measures). TPOT per request, (last - first token) / (tokens - 1); P90s
+    beside the P99s for the knee (:mod:`~quantlab.probes.knee`) of rates with
+    fewer than 100 completed requests. Goodput: completed requests whose TTFT and mean TPOT both meet
     the SLO, per second of the makespan (absent without an SLO)."""
     done = [r for r in requests if r.done]
     sent = sorted(r.sent_s for r in requests if not math.isnan(r.sent_s))
@@ -133,7 +136,9 @@ def summarize(requests: list[Request], rate: float, stopped: str, steps: int, by
                            else len(ends) / span if ok else 0.0)
     row["makespan_rps"] = len(ends) / span if ok else 0.0
     row["tok_s"] = sum(len(r.tokens_s) for r in requests) / span if ok else 0.0
-    row.update(percentiles("ttft_ms", ((r.tokens_s[0] - r.sent_s) * 1e3 for r in done)))
+    ttft, tpot = knee.latencies(requests)
+    row.update(percentiles("ttft_ms", ttft, (50, 90, 99)))
+    row.update(percentiles("tpot_ms", tpot, (50, 90, 99)))
     row.update(percentiles("itl_ms", (d * 1e3 for r in done for d in np.diff(r.tokens_s))))
     row.update(percentiles("e2e_ms", ((r.tokens_s[-1] - r.sent_s) * 1e3 for r in done)))
     row.update(percentiles("queue_ms", ((r.start_s - r.sent_s) * 1e3 for r in done)))
@@ -154,16 +159,6 @@ def summarize(requests: list[Request], rate: float, stopped: str, steps: int, by
     row["bw_util"] = achieved_bw / peak_bytes_per_s if peak_bytes_per_s else math.nan
     row["stopped"] = stopped
     return row
-
-
-def knee(rows: list[dict], slo_ttft_ms: float | None, keep_up: float = 0.9) -> float:
-    """The highest offered rate that ended normally, whose achieved rate is at
-    least ``keep_up`` of the realized arrival rate and (with an SLO) whose P99
-    TTFT meets the SLO; 0 when none does."""
-    ok = [r["offered_rps"] for r in rows
-          if not r["stopped"] and r["achieved_rps"] >= keep_up * r["sent_rps"]
-          and (slo_ttft_ms is None or r.get("ttft_ms_p99", math.inf) <= slo_ttft_ms)]
-    return max(ok, default=0.0)
 
 
 def run_rate(policy: Policy, prompts: list[torch.Tensor], n_new: int, rate: float, duration_s: float,
@@ -235,7 +230,7 @@ def _measure(engine, prompts, cfg, bytes_per_step, peak_bytes_per_s, seed, progr
             rates = [f * capacity for f in cfg.auto_fractions] if cfg.rates == "auto" else list(cfg.rates)
             progress(f"{name}: capacity {capacity:.2f} req/s (burst of {burst}); rates "
                      + ", ".join(f"{r:.2f}" for r in rates))
-            mine = []
+            mine, samples = [], []
             for i, rate in enumerate(rates):
                 policy.steps = 0
                 duration = max(cfg.duration_s, cfg.min_requests / rate)
@@ -244,27 +239,35 @@ def _measure(engine, prompts, cfg, bytes_per_step, peak_bytes_per_s, seed, progr
                 row = {"policy": name, **summarize(reqs, rate, stopped, policy.steps, bytes_per_step,
                                                    peak_bytes_per_s, cfg.slo.ttft_ms, cfg.slo.tpot_ms)}
                 mine.append(row)
+                samples.append(knee.latencies(reqs))
                 progress(f"{name} @ {rate:.2f} req/s: achieved {row['achieved_rps']:.2f}, TTFT p99 "
-                         f"{row.get('ttft_ms_p99', math.nan):.0f} ms, ITL p99 {row.get('itl_ms_p99', math.nan):.0f} ms"
+                         f"{row.get('ttft_ms_p99', math.nan):.0f} ms, TPOT p99 {row.get('tpot_ms_p99', math.nan):.1f} ms"
                          + (f" [{stopped}]" if stopped else ""))
             rows += mine
-            metrics[f"load/{name}/knee_rps"] = knee(mine, cfg.slo.ttft_ms)
+            k = knee.find(mine, samples, cfg.slo.ttft_ms, cfg.slo.tpot_ms, seed)
+            metrics.update({f"load/{name}/knee_rps": k.rps, f"load/{name}/knee_rps_lower": k.lower,
+                            f"load/{name}/knee_percentile": float(k.percentile),
+                            f"load/{name}/knee_rates_passed": float(k.passed)})
+            if k.why:
+                tags[f"load.{name}.knee_stop"] = k.why
             metrics[f"load/{name}/achieved_rps_max"] = max(r["achieved_rps"] for r in mine)
             metrics[f"load/{name}/late_ms_p99_max"] = max(r.get("late_ms_p99", 0.0) for r in mine)
             if cfg.slo.ttft_ms is not None and cfg.slo.tpot_ms is not None:
                 metrics[f"load/{name}/goodput_rps_max"] = max(r["goodput_rps"] for r in mine)
         finally:
             policy.close()
-    knees = {k.split("/")[1]: v for k, v in metrics.items() if k.endswith("/knee_rps")}
-    if knees:
-        best = max(knees, key=knees.get)
-        metrics["load/knee_rps"] = knees[best]
+    lowers = {k.split("/")[1]: v for k, v in metrics.items() if k.endswith("/knee_rps_lower")}
+    if lowers:  # the policy that promises most at the decision's level (ties: the higher knee)
+        best = max(lowers, key=lambda p: (lowers[p], metrics[f"load/{p}/knee_rps"]))
+        metrics["load/knee_rps"] = metrics[f"load/{best}/knee_rps"]
+        metrics["load/knee_rps_lower"] = lowers[best]
         tags["load.knee_policy"] = best
     return metrics, rows, tags
 
 
-COLUMNS = ("policy", "offered_rps", "sent_rps", "achieved_rps", "makespan_rps", "tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50",
-           "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p99", "queue_ms_p50", "queue_ms_p99", "batch_mean", "batch_max",
+COLUMNS = ("policy", "offered_rps", "sent_rps", "achieved_rps", "makespan_rps", "tok_s", "ttft_ms_p50", "ttft_ms_p90",
+           "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50",
+           "e2e_ms_p99", "queue_ms_p50", "queue_ms_p99", "batch_mean", "batch_max",
            "goodput_rps", "goodput_frac", "bw_gb_s", "bw_util", "late_ms_p99", "prompt_tokens_mean", "new_tokens_mean",
            "requests", "completed", "stopped")
 
