@@ -93,7 +93,8 @@ class LatencyProbeConfig:
     stages: bool = True  # per-stage breakdown (separate requests, hooks on)
     stage_requests: int = field(default=2, metadata={"min": 1})
     rss_sample_hz: float = field(default=200.0, metadata={"above": 0})
-    load_warn: float = 0.5  # warn when the 1-min load exceeds cores + this (a competing process)
+    # mark a timing contended when other processes used more than this many cores on average meanwhile
+    contention_warn: float = field(default=0.25, metadata={"min": 0})
 
 
 @dataclass

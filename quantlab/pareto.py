@@ -24,6 +24,7 @@ class Point:
     loss_upper: float | None = None  # None: no uncertainty known, the estimate is the bound
     p_value: Callable[[float], float] | None = None  # None: 0 when the bound is within the budget, else 1
     method: str = ""  # what the bound resamples, for the report
+    contended: bool = False  # its cost was timed beside other work (inflated: a latency up, a capacity down)
 
     def p_at(self, budget: float) -> float:
         if self.p_value is not None:
@@ -56,6 +57,9 @@ class Recommendation:
     # faster points whose estimate is within the budget but whose bound is not:
     # the metric cannot tell whether they qualify
     undecided: tuple[Point, ...] = ()
+    # qualified points that lost on a cost timed beside other work: contention only
+    # inflates a cost, so the timing cannot tell whether they would have won
+    contended: tuple[Point, ...] = ()
 
 
 def fastest_within(points: list[Point], budget: float, include_emulated: bool = False,
@@ -63,7 +67,9 @@ def fastest_within(points: list[Point], budget: float, include_emulated: bool = 
     """The lowest-cost point among those shown to lose less than ``budget``:
     Holm's rule over the p-values of "loss >= budget" of every compared point
     (family-wise error at most ``alpha``, whatever their dependence). Emulated
-    points are excluded by default: their latency is not that of the scheme."""
+    points are excluded by default: their latency is not that of the scheme.
+    A contended winner stays the pick (its cost is if anything lower);
+    contended losers are listed, since their true cost may beat it."""
     real = [p for p in points if include_emulated or not p.emulated]
     passed = holm([p.p_at(budget) for p in real], alpha)
     ok = [p for p, yes in zip(real, passed) if yes]
@@ -72,4 +78,5 @@ def fastest_within(points: list[Point], budget: float, include_emulated: bool = 
                               and (best is None or p.cost < best.cost)), key=lambda p: (p.cost, p.name)))
     if best is None:
         return Recommendation(None, budget, float("nan"), 0, undecided)
-    return Recommendation(best, budget, budget - best.upper, len(ok), undecided)
+    contended = tuple(sorted((p for p in ok if p.contended and p is not best), key=lambda p: (p.cost, p.name)))
+    return Recommendation(best, budget, budget - best.upper, len(ok), undecided, contended)

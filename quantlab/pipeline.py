@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from quantlab import corpus, hardware, models, plots, point, provenance, targets, tracking
+from quantlab import contention, corpus, hardware, models, plots, point, provenance, targets, tracking
 from quantlab.compose import config_dict
 from quantlab.config import RunConfig, check_choice, choices
 from quantlab.engines.pytorch import TorchEngine
@@ -325,16 +325,18 @@ def _latency(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     prompt = corpus.prompt_text(tok, max(p for _, p in latency.cells(lat)))
     why = engine.cannot("energy")
     counter, why = (None, why) if why else energy.open_counter(engine.device)
-    load_before = os.getloadavg()[0]
+    load_before, before = os.getloadavg()[0], contention.snapshot()
     out, raw = latency.measure(engine, tok, prompt, lat, counter)  # joules of timed requests only
+    foreign = contention.foreign_cores(before, contention.snapshot())
     tags = {"threads": str(torch.get_num_threads())}
     if not counter:
         tags["energy.reason"] = why
-    load = max(load_before, os.getloadavg()[0])
-    out["sys/load1"] = load
-    if load > cores + lat.load_warn:
-        log.warning("[%s] system load %.1f on %d cores during timing: latency is inflated", name, load, cores)
-        tags["load.warning"] = f"load1 {load:.1f} > {cores} cores"
+    out["sys/load1"] = max(load_before, os.getloadavg()[0])
+    out["sys/foreign_cpu_cores"] = foreign
+    if foreign > lat.contention_warn:
+        log.warning("[%s] other processes used %.2f of %d cores while this point was timed: its latency is "
+                    "inflated and the report marks it", name, foreign, cores)
+        tags[point.CONTENDED_TAG] = f"latency timed beside {foreign:.2f} cores of other work ({cores} cores)"
     if not engine.cannot("roofline") and "lat/tpot_ms_p50" in out:
         peak = roofline.host_bandwidth(cfg.cache_dir, engine.device)
         b, p = latency.cells(lat)[0]
@@ -373,8 +375,14 @@ def _load(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     log.info("[%s] load probe (%s, %s arrivals, %g s per rate, policies %s)", name,
              "rates auto" if lc.rates == "auto" else f"rates {lc.rates}", lc.arrival, lc.duration_s,
              ",".join(lc.policies))
+    before = contention.snapshot()
     metrics, rows, tags = load.measure(engine, prompts, lc, _weight_bytes_read(m.metrics), peak, cfg.seed,
                                        lambda line: log.info("[%s] load: %s", name, line))
+    metrics["load/foreign_cpu_cores"] = foreign = contention.foreign_cores(before, contention.snapshot())
+    if foreign > cfg.probe.latency.contention_warn:
+        log.warning("[%s] other processes used %.2f cores during the load probe: the report marks it", name, foreign)
+        was = m.tags.get(point.CONTENDED_TAG)
+        tags[point.CONTENDED_TAG] = (was + "; " if was else "") + f"load probe beside {foreign:.2f} cores of other work"
     m.metrics.update(metrics)
     m.tags.update(tags)
     if rows:

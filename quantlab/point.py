@@ -27,6 +27,8 @@ REUSED_FROM_TAG = "quantlab.reused_from"  # on a light child run: the run that m
 HOST_TAG, PID_TAG, PID_START_TAG = "quantlab.host", "quantlab.pid", "quantlab.pid_start"
 BASELINE_TAG = "recovery.baseline"  # on the parent: the run name the sweep compared against
 RECOMMENDED_BY_TAG = "recommended.by"  # on the parent: the objective of the budget picks
+# on a child: its latency or load timing shared the cores with other processes (the value says how much)
+CONTENDED_TAG = "load.warning"
 
 # --- a point's identity and provenance (pipeline writes them; report, export read them) ---
 SCHEME_TAG = "scheme"  # the point's scheme name (weights[+kv]), also a param

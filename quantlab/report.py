@@ -28,6 +28,9 @@ COLUMNS = (
     ("peak RSS MiB", "mem/peak_rss_mb", "{:.0f}"),
 )
 NOT_SIGNIFICANT = "~"
+CONTENDED = "†"  # beside a timing taken while other processes used the cores (tag point.CONTENDED_TAG)
+# columns whose figure a contended timing inflates
+TIMED = ("lat/", "tput/", "load/")
 
 
 def stderr_of(metrics: dict[str, float], key: str) -> float | None:
@@ -76,6 +79,8 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
                 pair = decision.compare(k, items.get(r.info.run_id, {}), items.get(base.info.run_id, {}))
                 if pair is not None and not pair.significant:
                     row[i] += " " + NOT_SIGNIFICANT
+        if point.CONTENDED_TAG in r.data.tags:
+            row = [c + CONTENDED if k.startswith(TIMED) and c != "-" else c for c, (_, k, _) in zip(row, columns)]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
@@ -87,6 +92,12 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
         lines.append(f"{NOT_SIGNIFICANT}: not significantly different from the baseline {base.info.run_name} "
                      f"(paired on the same items: exact McNemar for accuracies, t on blocks of per-token NLL "
                      f"differences for perplexity; two-sided p >= {uncertainty.ALPHA}, per comparison).")
+    contended = [f"- {r.info.run_name}: {r.data.tags[point.CONTENDED_TAG]}" for r in runs
+                 if point.CONTENDED_TAG in r.data.tags]
+    if contended:
+        lines += ["", f"{CONTENDED}: timed while other processes used the cores (CPU time of other processes "
+                  "during the timing, steal included): the figure is inflated, not comparable with unmarked "
+                  "ones, and a pick never rests on it without saying so.", *contended]
     origins = [f"- {r.info.run_name}: measured by run {tracking.origin(r)}, "
                f"host {r.data.tags.get(point.HOST_FINGERPRINT_TAG, r.data.tags.get(point.HOST_CPU_TAG, '?'))}"
                for r in runs if r.info.run_id in reused]
@@ -195,7 +206,7 @@ def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -
         if lo is not None:
             out.append(Point(r.info.run_name, m[cost], lo.value, r.data.tags.get(point.EMULATED_TAG) == "true",
                              lo.upper if lo.bounded else None, lo.bound.p_value if lo.bounded else None,
-                             lo.bound.method))
+                             lo.bound.method, point.CONTENDED_TAG in r.data.tags))
     return out
 
 
@@ -238,7 +249,8 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
                f"items where both runs logged them, its unit and method beside it); among those, {words} wins. "
                f"`{NOT_SIGNIFICANT}` marks are per comparison (not corrected for multiplicity).", ""]
     lines.append("Frontier, loss vs decode latency: " + ", ".join(
-        f"{p.name} ({p.cost:.2f} ms, {p.loss:.3g})" for p in frontier([p for p in lat if not p.emulated])))
+        f"{p.name} ({p.cost:.2f} ms{CONTENDED if p.contended else ''}, {p.loss:.3g})"
+        for p in frontier([p for p in lat if not p.emulated])))
     lines.append("Frontier, loss vs weight memory: " + ", ".join(
         f"{p.name} ({p.cost:.1f} MiB, {p.loss:.3g})" for p in frontier(mem)))
     recs = {}
@@ -252,6 +264,12 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
             best = "Fastest" if by == "tpot" else "Most capacity"
             lines.append(f"- {best} within {what}: **{rec.point.name}** — {sign * rec.point.cost:.2f} {unit}, "
                          f"loss {_loss_text(rec.point)} (margin {rec.margin:.3g}; {rec.candidates} qualified)")
+        if rec.contended:
+            lines.append("  - cannot tell on " + ("latency" if by == "tpot" else "capacity") + ": "
+                         + ", ".join(f"{p.name} ({sign * p.cost:.2f} {unit}{CONTENDED})" for p in rec.contended)
+                         + " also qualified but were timed beside other work, which only makes a point look "
+                         "worse; re-time them on idle cores (`force=true`, the points alone) before taking this "
+                         "pick over them.")
         for p in rec.undecided:
             lines.append(f"  - cannot tell: {p.name} is better ({sign * p.cost:.2f} {unit}) with loss {_loss_text(p)}; "
                          f"the estimate is within {what} but the bound is not. More items (accuracy limit, "

@@ -242,3 +242,33 @@ def test_capacity_objective_picks_the_most_requests_under_the_slo_within_budget(
     assert by_tpot[0.01].point.name == "fp8"
     with pytest.raises(UserError, match="unknown objective 'qps'; valid: auto, tpot, capacity"):
         report.objective(runs, "qps")
+
+
+def test_contended_timings_are_marked_and_the_pick_says_when_it_rests_on_one():
+    """#31 finding 10: bf16 and fp16 timed beside other work (TPOT 709 and
+    193 ms against int8's 81 ms idle) were ranked without a mark."""
+    from quantlab import point
+
+    def contended(r):
+        r.data.tags[point.CONTENDED_TAG] = "latency timed beside 1.40 cores of other work (2 cores)"
+        return r
+
+    ppl = "ppl_token_wikitext2_w1024"
+    runs = [contended(_run("bf16", 16, {ppl: 20.0, "lat/tpot_ms_p50": 709.0})),
+            contended(_run("fp16", 16, {ppl: 20.0, "lat/tpot_ms_p50": 193.0})),
+            _run("int8", 8, {ppl: 20.05, "lat/tpot_ms_p50": 81.0}),
+            _run("int4", 4, {ppl: 23.0, "lat/tpot_ms_p50": 40.0})]
+    text = report.table(runs)
+    row = {ln.split("|")[1].strip(): ln for ln in text.splitlines() if ln.startswith("| ")}
+    assert "709.00†" in row["bf16"] and "193.00†" in row["fp16"] and "81.00 " in row["int8"]
+    assert "16.00†" not in row["bf16"]  # sizes and losses are not timings
+    assert "- fp16: latency timed beside 1.40 cores of other work (2 cores)" in text
+    body, recs = report.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
+    assert recs[0.01].point.name == "int8" and [p.name for p in recs[0.01].contended] == ["fp16", "bf16"]
+    assert "cannot tell on latency: fp16 (193.00 ms/token†), bf16 (709.00 ms/token†) also qualified" in body
+    # a contended winner stays the pick (contention only inflates its cost) and raises no doubt of its own
+    runs[2].data.tags[point.CONTENDED_TAG] = "x"
+    for r in runs[:2]:
+        del r.data.tags[point.CONTENDED_TAG]
+    body, recs = report.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
+    assert recs[0.01].point.name == "int8" and recs[0.01].contended == () and "cannot tell on latency" not in body
