@@ -216,6 +216,36 @@ def _loss_text(p: Point) -> str:
     return f"{p.loss:.3g} (95% one-sided upper bound {p.loss_upper:.3g}; {p.method})"
 
 
+# what would separate schemes an engine's per-step overhead hides, by the points' target
+SEPARATES = {"cpu": "target=llamacpp (llama.cpp's CPU kernels)",
+             "cuda": "target=cuda target.compile=true target.compile_mode=reduce-overhead target.static_cache=512 "
+                     "(CUDA graphs) or target=vllm target.device=cuda",
+             "vllm": "a larger model, or target=llamacpp on a CPU", "llamacpp": "a larger model"}
+
+
+def overhead_note(runs) -> str:
+    """One line when the real, uncontended points' TPOT P50 spread is smaller
+    than the smallest per-step overhead (``bw/overhead_ms``) and overhead is
+    most of every step: the latency column then measures the engine, not the
+    schemes; names the target that would separate them. '' otherwise."""
+    timed = [r for r in runs if tracking.done(r) and r.data.tags.get(point.EMULATED_TAG) != "true"
+             and point.CONTENDED_TAG not in r.data.tags
+             and {"lat/tpot_ms_p50", "bw/overhead_ms"} <= r.data.metrics.keys()]
+    if len(timed) < 2:
+        return ""
+    tpot = [r.data.metrics["lat/tpot_ms_p50"] for r in timed]
+    over = [r.data.metrics["bw/overhead_ms"] for r in timed]
+    if max(tpot) - min(tpot) >= min(over) or min(o / t for o, t in zip(over, tpot)) < 0.5:
+        return ""
+    targets = sorted({r.data.tags.get("target", "?") for r in timed})
+    better = "; ".join(f"{t}: {SEPARATES[t]}" for t in targets if t in SEPARATES) or "another engine"
+    return (f"Latency within overhead: TPOT P50 spans {min(tpot):.2f}-{max(tpot):.2f} ms "
+            f"({max(tpot) / min(tpot):.2f}x) across {len(timed)} real points, less than the {min(over):.2f}-"
+            f"{max(over):.2f} ms each step spends beyond reading its bytes at the measured peak (`bw/overhead_ms`): "
+            f"here the latency column measures the engine ({', '.join(targets)}), not the schemes' bytes; "
+            f"{better} would separate them.")
+
+
 def objective(runs, choice: str = "auto") -> str:
     """``auto``: ``capacity`` when a finished run measured it (a serving
     sweep), else ``tpot``; otherwise ``choice``, checked."""
@@ -251,6 +281,8 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
     lines.append("Frontier, loss vs decode latency: " + ", ".join(
         f"{p.name} ({p.cost:.2f} ms{CONTENDED if p.contended else ''}, {p.loss:.3g})"
         for p in frontier([p for p in lat if not p.emulated])))
+    if note := overhead_note(runs):
+        lines.append(note)
     lines.append("Frontier, loss vs weight memory: " + ", ".join(
         f"{p.name} ({p.cost:.1f} MiB, {p.loss:.3g})" for p in frontier(mem)))
     recs = {}
@@ -363,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metric", default="auto", help="decision metric (auto, fid/kl_mean, recovery/acc/...)")
     ap.add_argument("--budgets", default="0.01,0.05", help="comma-separated loss budgets")
     ap.add_argument("--objective", default="auto", help="what a budget's pick maximises: auto (capacity where the "
-                    "load probe ran, else tpot), tpot (lowest decode latency), capacity (highest lower bound of req/s under the SLOs)")
+                    "load probe ran, else tpot), tpot (lowest decode latency), capacity (highest lower bound of "
+                    "req/s under the SLOs)")
     ap.add_argument("--out", default=None, help="directory for report.md, pareto.png, pareto.html")
     ap.add_argument("--no-log", action="store_true", help="do not write to the parent run")
     args = ap.parse_args(argv)

@@ -272,3 +272,26 @@ def test_contended_timings_are_marked_and_the_pick_says_when_it_rests_on_one():
         del r.data.tags[point.CONTENDED_TAG]
     body, recs = report.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
     assert recs[0.01].point.name == "int8" and recs[0.01].contended == () and "cannot tell on latency" not in body
+
+
+def test_the_report_says_when_latency_differences_are_the_engines_overhead():
+    """As measured by benchmarks/runtimes.py on an AVX2 EPYC: every scheme at
+    0.98-1.02x bf16 on the eager engine, 44-53 ms of a 55-63 ms step beyond
+    the bytes; llama.cpp separates the same points."""
+    def timed(name, tpot, overhead, target="cpu", **tags):
+        r = _run(name, 8, {"lat/tpot_ms_p50": tpot, "bw/overhead_ms": overhead})
+        r.data.tags.update({"target": target, **tags})
+        return r
+
+    flat = [timed("bf16", 60.0, 53.0), timed("int8", 59.0, 50.0), timed("int4", 61.0, 44.0)]
+    note = report.overhead_note(flat)
+    assert note.startswith("Latency within overhead: TPOT P50 spans 59.00-61.00 ms (1.03x) across 3 real points")
+    assert "44.00-53.00 ms each step spends beyond reading its bytes" in note and "cpu: target=llamacpp" in note
+    assert "target.compile_mode=reduce-overhead" in report.overhead_note([timed("a", 10, 9, "cuda"),
+                                                                          timed("b", 10.5, 9.5, "cuda")])
+    spread = [timed("f16", 30.0, 5.0, "llamacpp"), timed("q4", 12.0, 4.0, "llamacpp")]
+    assert report.overhead_note(spread) == ""  # 18 ms apart, more than the 4 ms overhead
+    # emulated and contended points do not count; one point alone says nothing
+    assert report.overhead_note([flat[0], timed("fp8", 60.5, 52, emulated="true")]) == ""
+    body, _ = report.decide(flat, "lat/tpot_ms_p50", (0.01,), None, {}, by="tpot")
+    assert "Latency within overhead" in body

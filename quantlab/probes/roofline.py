@@ -43,7 +43,12 @@ def host_bandwidth(cache_dir: str, device: torch.device) -> float:
 
 
 def utilisation(bytes_per_step: float, step_ms: float, peak_bytes_per_s: float) -> dict[str, float]:
-    """Achieved bandwidth = bytes moved per decode step x steps per second."""
+    """Achieved bandwidth = bytes moved per decode step x steps per second;
+    ``bw/floor_ms``: the step's bytes at the measured peak (the time a step
+    cannot beat); ``bw/overhead_ms``: the rest of the step (kernel launches,
+    Python, dequantization arithmetic), at least 0."""
     achieved = bytes_per_step / (step_ms / 1000.0)
+    floor_ms = bytes_per_step / peak_bytes_per_s * 1e3
     return {"bw/achieved_gb_s": achieved / 1e9, "bw/peak_gb_s": peak_bytes_per_s / 1e9,
-            "bw/util": achieved / peak_bytes_per_s}
+            "bw/util": achieved / peak_bytes_per_s, "bw/floor_ms": floor_ms,
+            "bw/overhead_ms": max(0.0, step_ms - floor_ms)}
