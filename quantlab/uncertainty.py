@@ -18,8 +18,8 @@ Conventions:
   0/1 items by Tango's score interval for a difference of paired proportions
   (Tango 1998, Stat Med 17:891; zero discordant items over n give about
   z^2 / n, never 0); token-level losses by the t-interval on block means,
-  top-1 disagreement no lower than the Clopper-Pearson bound at the effective
-  sample size; without per-item values, an unpaired normal bound from both
+  top-1 disagreement by Wilson's score bound at the effective sample size
+  (t quantile on the blocks); without per-item values, an unpaired normal bound from both
   runs' standard errors.
 """
 from __future__ import annotations
@@ -76,14 +76,20 @@ def t_upper(mean: float, se: float, units: int, alpha: float) -> float:
     return mean + q * se if se > 0 else mean
 
 
-def clopper_pearson_upper(k: float, n: float, alpha: float) -> float:
-    """Exact one-sided upper bound of a proportion, ``k`` events in ``n``
-    trials (both may be effective, non-integer counts)."""
-    if n <= 0:
+def wilson_upper(p: float, n: float, alpha: float, units: int = 0) -> float:
+    """One-sided ``1 - alpha`` Wilson score bound of a proportion ``p`` over
+    ``n`` (effective) trials: the largest ``p0`` with ``(p - p0) /
+    sqrt(p0 (1 - p0) / n)`` above the lower quantile. The variance is taken
+    at ``p0``, not at ``p``, which is what keeps a right-skewed proportion
+    from bounding itself low when it happens to be observed low. With
+    ``units`` >= 2 the quantile is Student's t on ``units - 1`` degrees of
+    freedom (``n`` was estimated from that many units); one unit: 1."""
+    if n <= 0 or 0 < units < 2:
         return 1.0
-    if k >= n:
-        return 1.0
-    return float(stats.beta.ppf(1.0 - alpha, k + 1.0, n - k))
+    q = z(alpha) if units <= 0 else float(stats.t.ppf(1.0 - alpha, units - 1))
+    k = q * q / n
+    root = math.sqrt(max(k * p * (1.0 - p) + k * k / 4.0, 0.0))
+    return min(1.0, (p + k / 2.0 + math.copysign(root, q)) / (1.0 + k))
 
 
 def _tango_z(loss: float, lost: int, gained: int, n: int) -> float:

@@ -107,11 +107,12 @@ def test_no_discordant_documents_still_leave_a_bound_of_order_3_over_n():
                        {"acc/t": 0.48}, {"acc/t": same, "doc_ids/t": list(range(50))})
     assert lo.value == 0.0 and lo.upper == pytest.approx(zq**2 / (50 + zq**2) / 0.48)
     assert lo.upper > 0.1  # 50 documents cannot show a loss under 1 % or 5 %
-    # top-1: 128 positions, none disagreeing: Clopper-Pearson, 1 - 0.05 ** (1 / 128)
+    # top-1: 128 positions in 4 blocks, none disagreeing: Wilson's bound k / (1 + k), k = t(0.95, 3 df)^2 / 128
     top = decision.loss("fid/top1_agree", {"fid/top1_agree": 1.0, "fid/top1_agree_stderr": 0.0,
                                            "fid/top1_agree_stderr_tokens": 0.0, "fid/tokens": 128.0,
                                            "fid/blocks": 4.0}, {}, {}, {})
-    assert top.value == 0.0 and top.upper == pytest.approx(1 - 0.05 ** (1 / 128), rel=1e-6)
+    k = stats.t.ppf(0.95, 3) ** 2 / 128
+    assert top.value == 0.0 and top.upper == pytest.approx(k / (1 + k), rel=1e-9) and 0.04 < top.upper < 0.045
 
 
 @settings(max_examples=60, deadline=None)
@@ -295,3 +296,15 @@ def test_the_report_says_when_latency_differences_are_the_engines_overhead():
     assert report.overhead_note([flat[0], timed("fp8", 60.5, 52, emulated="true")]) == ""
     body, _ = report.decide(flat, "lat/tpot_ms_p50", (0.01,), None, {}, by="tpot")
     assert "Latency within overhead" in body
+
+
+@settings(max_examples=80, deadline=None)
+@given(p=st.floats(0.0, 0.5), n=st.floats(20.0, 5000.0), units=st.sampled_from([0, 4, 8, 40]),
+       alpha=st.floats(0.01, 0.2))
+def test_wilson_bound_inverts_the_score_test_at_its_quantile(p, n, units, alpha):
+    up = uncertainty.wilson_upper(p, n, alpha, units)
+    q = NormalDist().inv_cdf(1 - alpha) if units == 0 else stats.t.ppf(1 - alpha, units - 1)
+    assert p <= up < 1
+    assert (up - p) / math.sqrt(up * (1 - up) / n) == pytest.approx(q, rel=1e-6)
+    assert uncertainty.wilson_upper(p, n, 1 - alpha, units) <= p  # the lower side, so p-values bisect
+    assert uncertainty.wilson_upper(p, n, alpha, 1) == 1.0  # one block: nothing to estimate the spread from
