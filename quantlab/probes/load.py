@@ -237,7 +237,8 @@ def _measure(engine, prompts, cfg, bytes_per_step, peak_bytes_per_s, seed, progr
                 reqs, stopped = run_rate(policy, prompts, cfg.new_tokens, rate, duration, cfg.arrival,
                                          limits, seed + i, cfg.new_tokens_min)
                 row = {"policy": name, **summarize(reqs, rate, stopped, policy.steps, bytes_per_step,
-                                                   peak_bytes_per_s, cfg.slo.ttft_ms, cfg.slo.tpot_ms)}
+                                                   peak_bytes_per_s, cfg.slo.ttft_ms, cfg.slo.tpot_ms),
+                       **policy.reported}
                 mine.append(row)
                 samples.append(knee.latencies(reqs))
                 progress(f"{name} @ {rate:.2f} req/s: achieved {row['achieved_rps']:.2f}, TTFT p99 "
@@ -267,7 +268,8 @@ def _measure(engine, prompts, cfg, bytes_per_step, peak_bytes_per_s, seed, progr
 
 COLUMNS = ("policy", "offered_rps", "sent_rps", "achieved_rps", "makespan_rps", "tok_s", "ttft_ms_p50", "ttft_ms_p90",
            "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99", "e2e_ms_p50",
-           "e2e_ms_p99", "queue_ms_p50", "queue_ms_p99", "batch_mean", "batch_max",
+           "e2e_ms_p99", "queue_ms_p50", "queue_ms_p99", "server_ttft_ms_mean", "server_tpot_ms_mean",
+           "server_itl_ms_mean", "batch_mean", "batch_max",
            "goodput_rps", "goodput_frac", "bw_gb_s", "bw_util", "late_ms_p99", "prompt_tokens_mean", "new_tokens_mean",
            "requests", "completed", "stopped")
 

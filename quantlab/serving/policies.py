@@ -25,10 +25,13 @@ from quantlab.serving.requests import Limits, Request
 class Policy(abc.ABC):
     """A server: takes the requests a :class:`Generator` submits and fills in
     their ``start_s``, ``tokens_s`` and ``batch``. ``steps`` counts the model
-    forwards it ran (for achieved bandwidth)."""
+    forwards it ran (for achieved bandwidth); ``reported``: what the server
+    itself measured over the last rate (``server_*`` figures, added to that
+    rate's row; empty where the server keeps none)."""
 
     def __init__(self):
         self.steps = 0
+        self.reported: dict[str, float] = {}
 
     @abc.abstractmethod
     def serve(self, requests: list[Request], t0: float, last_due_s: float, limits: Limits,

@@ -36,6 +36,14 @@ class StreamingPolicy(Policy):
     def forwards(self) -> float:
         """The server's count of forward steps so far (for achieved bandwidth)."""
 
+    def snapshot(self) -> object:
+        """The server's own counters before a rate (None: it keeps none)."""
+        return None
+
+    def report(self, before: object, completed: int) -> dict[str, float]:
+        """The server's own figures over the rate since ``snapshot``."""
+        return {}
+
     def _one(self, r: Request, t0: float, conns: dict, ended: set, errors: list) -> None:
         try:
             self.stream_one(r, t0, conns)
@@ -59,7 +67,7 @@ class StreamingPolicy(Policy):
             threads.append(th)
             th.start()
 
-        before = self.forwards()
+        before, snap = self.forwards(), self.snapshot()
         start(submit)
         stopped = ""
         while not errors:
@@ -78,5 +86,6 @@ class StreamingPolicy(Policy):
         if errors:
             raise RuntimeError(errors[0])
         self.steps += int(self.forwards() - before)
+        self.reported = self.report(snap, sum(1 for r in requests if r.done))
         count_overlaps(requests)
         return stopped

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import shutil
 import signal
@@ -247,6 +248,23 @@ class VllmServer:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+# the server's histogram behind each of its mean figures
+SERVER_HISTOGRAMS = {"server_ttft_ms_mean": "vllm:time_to_first_token_seconds",
+                     "server_tpot_ms_mean": "vllm:request_time_per_output_token_seconds",
+                     "server_itl_ms_mean": "vllm:inter_token_latency_seconds"}
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The server's mean of each :data:`SERVER_HISTOGRAMS` histogram over
+    the requests between two :meth:`VllmServer.metrics` reads, in ms (NaN
+    where none finished)."""
+    out = {}
+    for name, h in SERVER_HISTOGRAMS.items():
+        n = after.get(h + "_count", 0.0) - before.get(h + "_count", 0.0)
+        out[name] = (after.get(h + "_sum", 0.0) - before.get(h + "_sum", 0.0)) * 1e3 / n if n else math.nan
+    return out
+
+
 class VllmPolicy(StreamingPolicy):
     """Requests through vLLM's own scheduler (continuous batching, paged KV
     cache, ``--max-num-seqs`` sequences at once). vLLM does not tell a client
@@ -271,6 +289,21 @@ class VllmPolicy(StreamingPolicy):
 
     def forwards(self) -> float:
         return self.server.metrics().get("vllm:iteration_tokens_total_count", 0.0)
+
+    def snapshot(self) -> dict[str, float]:
+        return self.server.metrics()
+
+    def report(self, before: dict[str, float], completed: int) -> dict[str, float]:
+        """The server's mean TTFT, per-request TPOT and ITL over the rate (its
+        histograms' sums over counts): the check on the client's figures
+        where the stream coalesces tokens into one chunk (a client sees an
+        inter-token time of 0 for the second token of a chunk)."""
+        after, deadline = self.server.metrics(), time.monotonic() + 2.0
+        key = SERVER_HISTOGRAMS["server_tpot_ms_mean"] + "_count"
+        while after.get(key, 0.0) - before.get(key, 0.0) < completed and time.monotonic() < deadline:
+            time.sleep(0.1)  # the engine's stats reach the API server's registry a step after the last token
+            after = self.server.metrics()
+        return server_means(before, after)
 
     def close(self) -> None:
         """The server belongs to the engine, which stops it."""

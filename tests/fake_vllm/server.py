@@ -6,7 +6,10 @@ model: the next token after ``t`` is ``(t + 1) % V``, with log-probability
 
 ``FAKE_VLLM_MODE``: ``ok``; ``exit`` (dies at start); ``die-on-request``
 (answers ``/health``, then fails the first completion with 500, as a build
-without a kernel does). Started as ``python server.py --port P ...`` by
+without a kernel does); ``coalesce`` (streams two tokens per chunk, as vLLM
+does when a client reads slower than the engine steps). Its ``/metrics``
+keeps vLLM's TTFT, per-request TPOT and inter-token histograms (sum and
+count) as the engine times the tokens, one ``STEP_S`` apart. Started as ``python server.py --port P ...`` by
 ``tests/fake_vllm/python`` (the stand-in interpreter).
 """
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -31,8 +35,21 @@ def dist(t: int, k: int) -> dict[str, dict]:
             for r, (n, lp) in enumerate(probs) if k == -1 or r < k}
 
 
+def histogram(name: str, total: float, count: int) -> str:
+    return f"{name}_sum{{model_name=\"q\"}} {total}\n{name}_count{{model_name=\"q\"}} {count}\n"
+
+
 class Handler(BaseHTTPRequestHandler):
     iterations = 0
+    lock = threading.Lock()
+    timed = {"time_to_first_token": [0.0, 0], "request_time_per_output_token": [0.0, 0],
+             "inter_token_latency": [0.0, 0]}
+
+    @classmethod
+    def observe(cls, name: str, seconds: float, n: int = 1) -> None:
+        with cls.lock:
+            cls.timed[name][0] += seconds * n
+            cls.timed[name][1] += n
 
     def log_message(self, *args):
         pass
@@ -48,7 +65,9 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send(200, "")
         elif self.path == "/metrics":
-            self._send(200, f"vllm:iteration_tokens_total_count{{model_name=\"q\"}} {Handler.iterations}\n", "text/plain")
+            text = f"vllm:iteration_tokens_total_count{{model_name=\"q\"}} {Handler.iterations}\n"
+            text += "".join(histogram(f"vllm:{k}_seconds", s, n) for k, (s, n) in Handler.timed.items())
+            self._send(200, text, "text/plain")
         else:
             self._send(404, "{}")
 
@@ -74,12 +93,18 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        for tok in tokens:
-            time.sleep(STEP_S)
-            Handler.iterations += 1
-            self.wfile.write(f"data: {json.dumps({'choices': [{'token_ids': [tok]}]})}\n\n".encode())
+        per_chunk = 2 if os.environ.get("FAKE_VLLM_MODE") == "coalesce" else 1
+        for i in range(0, n, per_chunk):
+            chunk = tokens[i:i + per_chunk]
+            time.sleep(STEP_S * len(chunk))
+            Handler.iterations += len(chunk)
+            self.wfile.write(f"data: {json.dumps({'choices': [{'token_ids': chunk}]})}\n\n".encode())
             self.wfile.flush()
         self.wfile.write(b"data: [DONE]\n\n")
+        self.observe("time_to_first_token", STEP_S)  # the engine's times, one step a token
+        self.observe("inter_token_latency", STEP_S, n - 1)
+        if n > 1:
+            self.observe("request_time_per_output_token", STEP_S)
 
 
 def main() -> None:
