@@ -9,6 +9,7 @@ is here, above both registries.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -23,7 +24,11 @@ _POLY = ("scheme", "target")  # polymorphic slots: their type name under "type"
 
 
 def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore (idempotent)."""
+    """Store the schemas in Hydra's ConfigStore, and register the resolvers
+    the presets use (``${quantlab_cores:}``: this machine's CPU count, the
+    Ray preset's cores per point); idempotent."""
+    if not OmegaConf.has_resolver("quantlab_cores"):
+        OmegaConf.register_new_resolver("quantlab_cores", lambda: os.cpu_count() or 1)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
     for name, node in registry.weight_schemas().items():

@@ -1,7 +1,9 @@
 """Hydra callback that brackets a multirun with an MLflow parent run.
 
 ``on_multirun_start`` opens the parent run and exports its id in
-``QUANTLAB_PARENT_RUN_ID`` (inherited by launcher workers); each point's child
+``QUANTLAB_PARENT_RUN_ID`` (inherited by local launcher workers; with the
+Ray launcher also put in the tasks' ``runtime_env``, which reaches workers
+on other nodes); each point's child
 run points at it. ``on_multirun_end`` prints and logs the summary table, closes
 the parent, and exits non-zero when any point failed.
 """
@@ -14,7 +16,7 @@ import sys
 import time
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from quantlab import point, report, tracking
 from quantlab.config import TrackingConfig
@@ -22,6 +24,7 @@ from quantlab.errors import UserError
 from quantlab.pipeline import PARENT_ENV
 
 log = logging.getLogger("quantlab")
+RAY_LAUNCHER = "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"
 
 
 def _tracking_cfg(config: DictConfig) -> TrackingConfig:
@@ -44,6 +47,13 @@ class SweepCallback(Callback):
                 "git_commit": tracking.git_commit(), **tracking.versions()}
         parent = tracking.start_run(client, exp_id, name, tags, params=params)
         os.environ[PARENT_ENV] = parent
+        if config.hydra.launcher.get("_target_", "") == RAY_LAUNCHER:  # workers on other nodes inherit nothing
+            with open_dict(config):
+                init = config.hydra.launcher.ray.init
+                given = init.get("runtime_env")
+                env = OmegaConf.to_container(given, resolve=True) if given is not None else {}
+                env.setdefault("env_vars", {})[PARENT_ENV] = parent
+                init.runtime_env = env
         _log_capabilities(client, parent)
         log.info("sweep %s: parent run %s in %s", sweep, parent, config.tracking.uri)
 
