@@ -271,12 +271,36 @@ def validate(cfg: Any, path: str = "") -> None:
                 raise ValueError(f"{name}={value}: must be >= {f.metadata['min']}")
             if "above" in f.metadata and v <= f.metadata["above"]:
                 raise ValueError(f"{name}={value}: must be > {f.metadata['above']}")
+    if isinstance(cfg, RunConfig) and (name := getattr(cfg.target, "CONTEXT_FIELD", None)):
+        need, asked = probe_context(cfg.probe)  # after the ranges: a context below its minimum says that first
+        if need > (ctx := getattr(cfg.target, name)):
+            raise ValueError(f"{asked} needs {need} tokens of context; target.{name}={ctx} holds fewer: "
+                             f"raise target.{name} or shorten the probe")
+
+
+def probe_context(p: ProbeConfig) -> tuple[int, str]:
+    """The longest sequence the enabled probes put through the model, and the
+    fields that ask for it (a served prompt also generates one token)."""
+    lat = p.latency
+    asks = [(max([lat.prompt_tokens, *lat.grid_prompt_tokens]) + lat.new_tokens,
+             "probe.latency (prompt_tokens + new_tokens)")]
+    if p.fidelity.enabled:
+        asks.append((p.fidelity.tokens + 1, f"probe.fidelity.tokens={p.fidelity.tokens}"))
+    if p.perplexity.enabled:
+        asks.append((p.perplexity.window, f"probe.perplexity.window={p.perplexity.window}"))
+    if p.cache.enabled:
+        asks.append((p.cache.prefix_tokens + p.cache.continuation_tokens,
+                     "probe.cache (prefix_tokens + continuation_tokens)"))
+    if p.load.enabled:
+        asks.append((p.load.prompt_tokens + p.load.new_tokens, "probe.load (prompt_tokens + new_tokens)"))
+    return max(asks)
 
 
 # SQLAlchemy dialect of a database tracking URI -> (driver module, what installs it)
 _DRIVERS = {"postgresql": ("psycopg2", "pip install 'quantlab[postgres]'"),
             "postgresql+psycopg2": ("psycopg2", "pip install 'quantlab[postgres]'"),
-            "postgresql+psycopg": ("psycopg", "pip install 'psycopg[binary]', or use postgresql:// with quantlab[postgres]")}
+            "postgresql+psycopg": ("psycopg", "pip install 'psycopg[binary]', or use postgresql:// with "
+                                              "quantlab[postgres]")}
 
 
 def _validate_driver(uri: str, name: str) -> None:

@@ -302,10 +302,12 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
                          + " also qualified but were timed beside other work, which only makes a point look "
                          "worse; re-time them on idle cores (`force=true`, the points alone) before taking this "
                          "pick over them.")
+        n_real = len([p for p in ranked if not p.emulated])
         for p in rec.undecided:
             lines.append(f"  - cannot tell: {p.name} is better ({sign * p.cost:.2f} {unit}) with loss {_loss_text(p)}; "
-                         f"the estimate is within {what} but the bound is not. More items (accuracy limit, "
-                         f"perplexity windows) would decide.")
+                         f"the estimate is within {what}, but \"loss >= {b:g}\" has p = {p.p_at(b):.3g}, which "
+                         f"Holm's rule over the {n_real} points compared does not reject. More items (accuracy "
+                         f"limit, perplexity windows, fidelity tokens) would decide.")
     if any(p.emulated for p in ranked):
         lines.append("- Emulated points are never recommended: their latency is not that of the scheme.")
     return "\n".join(lines), recs

@@ -267,7 +267,7 @@ def test_neuron_sweep_through_the_worker(tmp_path, fake_neuron_python):
     worker-timed latency; schemes the SDK lacks are skipped with the reason."""
     uri = f"sqlite:///{tmp_path}/m.db"
     common = ["model=tiny", "target=neuron", f"target.python={fake_neuron_python}",
-              f"target.compile_cache={tmp_path}/neuron-cache", "target.sequence_length=256",
+              f"target.compile_cache={tmp_path}/neuron-cache", "target.sequence_length=640",  # smoke: 512 tokens
               "probe=smoke", "probe.latency.repeats=2", f"tracking.uri={uri}",
               f"tracking.artifact_root={tmp_path}/a", f"cache_dir={tmp_path}/cache"]
     proc = run_cli(["-m", "scheme/weights=bf16,int8,int4-g64", *common], timeout=900)

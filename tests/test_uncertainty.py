@@ -217,6 +217,8 @@ def test_report_marks_non_significant_differences_and_names_the_rule():
     # but bf16, and the report says it cannot tell about int8
     assert recs[0.05].point.name == "bf16" and [p.name for p in recs[0.05].undecided] == ["int8"]
     assert "cannot tell: int8" in body
+    p_int8 = recs[0.05].undecided[0].p_at(0.05)
+    assert f"but \"loss >= 0.05\" has p = {p_int8:.3g}, which Holm's rule over the 3 points" in body and p_int8 > 0.05
     assert "int8: acc/t: diff -0.0200" in report.paired_table(runs, runs[0], items)
 
 

@@ -197,7 +197,7 @@ def test_vllm_serves_quantlabs_exports_as_the_points_measured(tmp_path):
               "probe.latency.stages=false", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a",
               f"cache_dir={tmp_path}/c"]
     proc = run_cli(["-m", *common, "target=vllm", f"target.python={REAL}", "target.logprobs_topk=0",
-                    "target.max_model_len=512", "scheme/weights=fp32,int8,w8a8-sq,int4-g32,gptq-g64"],
+                    "target.max_model_len=1024", "scheme/weights=fp32,int8,w8a8-sq,int4-g32,gptq-g64"],
                    timeout=1800)
     c = MlflowClient(uri)
     runs = {r.info.run_name: r for r in c.search_runs([c.get_experiment_by_name("quantlab").experiment_id])

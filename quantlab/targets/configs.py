@@ -7,7 +7,7 @@ Like :mod:`quantlab.schemes.configs` this imports nothing heavy, so a bad
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from quantlab.config import TargetConfig
 
@@ -43,6 +43,8 @@ class LlamaCppTargetConfig(TargetConfig):
     """``threads``: llama.cpp threads (None: all cores). ``n_ctx``: context slots
     of the KV cache. ``gguf_cache``: where exported points are kept by content."""
 
+    CONTEXT_FIELD: ClassVar[str] = "n_ctx"  # the longest sequence it holds (checked against the probes)
+
     name: str = "llamacpp"
     threads: Optional[int] = None
     n_ctx: int = field(default=2048, metadata={"min": 16})
@@ -53,6 +55,8 @@ class LlamaCppTargetConfig(TargetConfig):
 @dataclass
 class NeuronTargetConfig(TargetConfig):
     """AWS Inferentia2/Trainium via optimum-neuron in its own interpreter."""
+
+    CONTEXT_FIELD: ClassVar[str] = "sequence_length"
 
     name: str = "neuron"
     python: str = "python3"  # the Neuron virtualenv's interpreter
@@ -78,6 +82,7 @@ class VllmTargetConfig(TargetConfig):
     position at SmolLM2's 49,152-token vocabulary on 2 cores). ``port``: None
     picks a free one."""
 
+    CONTEXT_FIELD: ClassVar[str] = "max_model_len"
     name: str = "vllm"
     device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda")})  # which vLLM build
     python: Optional[str] = None
