@@ -224,24 +224,31 @@ SEPARATES = {"cpu": "target=llamacpp (llama.cpp's CPU kernels)",
 
 
 def overhead_note(runs) -> str:
-    """One line when the real, uncontended points' TPOT P50 spread is smaller
-    than the smallest per-step overhead (``bw/overhead_ms``) and overhead is
-    most of every step: the latency column then measures the engine, not the
-    schemes; names the target that would separate them. '' otherwise."""
+    """One line when the real, uncontended points' TPOT P50 does not follow
+    their bytes (the least-squares slope of TPOT on ``bw/floor_ms``, the
+    step's bytes at the measured peak, is under 0.5: less than half of a byte
+    saving shows as time) and overhead (``bw/overhead_ms``) is most of every
+    step: the latency column then measures the engine, not the schemes;
+    names the target that would separate them. '' otherwise (fewer than two
+    points, or all reading the same bytes)."""
     timed = [r for r in runs if tracking.done(r) and r.data.tags.get(point.EMULATED_TAG) != "true"
              and point.CONTENDED_TAG not in r.data.tags
-             and {"lat/tpot_ms_p50", "bw/overhead_ms"} <= r.data.metrics.keys()]
-    if len(timed) < 2:
+             and {"lat/tpot_ms_p50", "bw/overhead_ms", "bw/floor_ms"} <= r.data.metrics.keys()]
+    floor = [r.data.metrics["bw/floor_ms"] for r in timed]
+    if len(timed) < 2 or max(floor) - min(floor) <= 1e-9:
         return ""
     tpot = [r.data.metrics["lat/tpot_ms_p50"] for r in timed]
     over = [r.data.metrics["bw/overhead_ms"] for r in timed]
-    if max(tpot) - min(tpot) >= min(over) or min(o / t for o, t in zip(over, tpot)) < 0.5:
+    f0, t0 = sum(floor) / len(floor), sum(tpot) / len(tpot)
+    slope = sum((f - f0) * (t - t0) for f, t in zip(floor, tpot)) / sum((f - f0) ** 2 for f in floor)
+    if slope >= 0.5 or min(o / t for o, t in zip(over, tpot)) < 0.5:
         return ""
     targets = sorted({r.data.tags.get("target", "?") for r in timed})
     better = "; ".join(f"{t}: {SEPARATES[t]}" for t in targets if t in SEPARATES) or "another engine"
     return (f"Latency within overhead: TPOT P50 spans {min(tpot):.2f}-{max(tpot):.2f} ms "
-            f"({max(tpot) / min(tpot):.2f}x) across {len(timed)} real points, less than the {min(over):.2f}-"
-            f"{max(over):.2f} ms each step spends beyond reading its bytes at the measured peak (`bw/overhead_ms`): "
+            f"({max(tpot) / min(tpot):.2f}x) across {len(timed)} real points whose bytes alone would take "
+            f"{min(floor):.2f}-{max(floor):.2f} ms (slope {slope:.2f} ms per ms of bytes), and each step spends "
+            f"{min(over):.2f}-{max(over):.2f} ms beyond reading its bytes at the measured peak (`bw/overhead_ms`): "
             f"here the latency column measures the engine ({', '.join(targets)}), not the schemes' bytes; "
             f"{better} would separate them.")
 
