@@ -29,7 +29,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +37,7 @@ import torch
 from quantlab import contention, models
 from quantlab.config import ModelConfig, TinyModelConfig
 from quantlab.export import checkpoint
-from quantlab.probes import load
+from quantlab.probes import knee, load
 from quantlab.serving.requests import Limits
 from quantlab.serving.vllm_server import MODEL_NAME, ServerArgs, VllmPolicy, VllmServer, python_path, server_means
 
@@ -58,8 +57,8 @@ def windowed(server: VllmServer, client) -> dict[str, float]:
     before, cpu = server.metrics(), contention.snapshot()
     res = client()
     foreign = contention.foreign_cores(cpu, contention.snapshot())
-    time.sleep(1.0)  # the engine's stats reach the API server's registry a step after the last token
-    return {**res, **server_means(before, server.metrics()), "foreign_cores": foreign}
+    after = server.metrics_after(before, int(res["completed"]))
+    return {**res, **server_means(before, after), "foreign_cores": foreign}
 
 
 def quantlab_side(server: VllmServer, vocab: int, args, seed: int) -> dict[str, float]:
@@ -72,9 +71,8 @@ def quantlab_side(server: VllmServer, vocab: int, args, seed: int) -> dict[str, 
     if stopped:
         raise RuntimeError(f"quantlab's rate stopped early: {stopped}")
     done = [r for r in reqs if r.done]
-    tpot = [(r.tokens_s[-1] - r.tokens_s[0]) * 1e3 / (len(r.tokens_s) - 1) for r in done]
+    ttft, tpot = knee.latencies(reqs)  # the load probe's own per-request definitions
     itl = [d * 1e3 for r in done for d in np.diff(r.tokens_s)]
-    ttft = [(r.tokens_s[0] - r.sent_s) * 1e3 for r in done]
     span = max(r.tokens_s[-1] for r in done) - min(r.sent_s for r in done)
     return {**load.percentiles("ttft_ms", ttft), **load.percentiles("tpot_ms", tpot), **load.percentiles("itl_ms", itl),
             "ttft_ms_mean": float(np.mean(ttft)), "tpot_ms_mean": float(np.mean(tpot)), "itl_ms_mean": float(np.mean(itl)),

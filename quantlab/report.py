@@ -276,12 +276,13 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
               if by != "capacity" or p.cost > 0]
     mem = points(runs, metric, "size/weight_mb", base, items)
     kl = metric.startswith(decision.KL)
+    n_real = len([p for p in ranked if not p.emulated])
     against = "" if kl or metric.startswith("fid/") or base is None else f" against {base.info.run_name}"
     lines = [f"Decision rule: loss on `{metric}`{against} = "
              + ("the KL value" if kl else "1 - top-1 agreement" if metric == "fid/top1_agree" else
                 "1 - point/baseline (perplexity: 1 - baseline/point)")
              + f"; a point meets a budget when \"loss >= budget\" is rejected by Holm's step-down rule over the "
-               f"{len([p for p in ranked if not p.emulated])} real points compared (family-wise error <= "
+               f"{n_real} real points compared (family-wise error <= "
                f"{1 - uncertainty.LEVEL:.0%}; each bound one-sided {uncertainty.LEVEL:.0%}, paired over the same "
                f"items where both runs logged them, its unit and method beside it); among those, {words} wins. "
                f"`{NOT_SIGNIFICANT}` marks are per comparison (not corrected for multiplicity).", ""]
@@ -309,7 +310,6 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
                          + " also qualified but were timed beside other work, which only makes a point look "
                          "worse; re-time them on idle cores (`force=true`, the points alone) before taking this "
                          "pick over them.")
-        n_real = len([p for p in ranked if not p.emulated])
         for p in rec.undecided:
             lines.append(f"  - cannot tell: {p.name} is better ({sign * p.cost:.2f} {unit}) with loss {_loss_text(p)}; "
                          f"the estimate is within {what}, but \"loss >= {b:g}\" has p = {p.p_at(b):.3g}, which "

@@ -69,11 +69,19 @@ def block_stderr(x: Sequence[float] | np.ndarray) -> tuple[float, int]:
     return mean_stderr(means), int(means.size)
 
 
+def quantile(alpha: float, units: int) -> float:
+    """The one-sided ``1 - alpha`` quantile a bound from ``units`` independent
+    units takes: Student's t on ``units - 1`` degrees of freedom, normal when
+    ``units`` is 0 (unknown), infinite for one unit (no spread to estimate)."""
+    if units <= 0:
+        return z(alpha)
+    return math.inf if units < 2 else float(stats.t.ppf(1.0 - alpha, units - 1))
+
+
 def t_upper(mean: float, se: float, units: int, alpha: float) -> float:
     """One-sided ``1 - alpha`` upper bound of a mean from ``units`` independent
-    units (a t quantile; normal when ``units`` is 0: unknown)."""
-    q = z(alpha) if units <= 0 else (math.inf if units < 2 else float(stats.t.ppf(1.0 - alpha, units - 1)))
-    return mean + q * se if se > 0 else mean
+    units (the :func:`quantile` of ``units``)."""
+    return mean + quantile(alpha, units) * se if se > 0 else mean
 
 
 def wilson_upper(p: float, n: float, alpha: float, units: int = 0) -> float:
@@ -84,9 +92,9 @@ def wilson_upper(p: float, n: float, alpha: float, units: int = 0) -> float:
     from bounding itself low when it happens to be observed low. With
     ``units`` >= 2 the quantile is Student's t on ``units - 1`` degrees of
     freedom (``n`` was estimated from that many units); one unit: 1."""
-    if n <= 0 or 0 < units < 2:
+    q = quantile(alpha, units)
+    if n <= 0 or math.isinf(q):
         return 1.0
-    q = z(alpha) if units <= 0 else float(stats.t.ppf(1.0 - alpha, units - 1))
     k = q * q / n
     root = math.sqrt(max(k * p * (1.0 - p) + k * k / 4.0, 0.0))
     return min(1.0, (p + k / 2.0 + math.copysign(root, q)) / (1.0 + k))

@@ -102,6 +102,12 @@ class ServerArgs:
         return env
 
 
+# the server's histogram behind each of its mean figures
+SERVER_HISTOGRAMS = {"server_ttft_ms_mean": "vllm:time_to_first_token_seconds",
+                     "server_tpot_ms_mean": "vllm:request_time_per_output_token_seconds",
+                     "server_itl_ms_mean": "vllm:inter_token_latency_seconds"}
+
+
 class VllmServer:
     """A running vLLM server on ``args.model_dir``; ``close()`` stops it and its
     children. Raises ``UserError`` (one line, the log's last lines) when it
@@ -227,6 +233,18 @@ class VllmServer:
                     continue
         return out
 
+    def metrics_after(self, before: dict[str, float], finished: int, timeout_s: float = 2.0) -> dict[str, float]:
+        """:meth:`metrics` once the ``finished`` requests completed since the
+        read ``before`` are in its per-request histogram (the engine's stats
+        reach the API server's registry a step after the last token), or
+        after ``timeout_s``."""
+        after, deadline = self.metrics(), time.monotonic() + timeout_s
+        key = SERVER_HISTOGRAMS["server_tpot_ms_mean"] + "_count"
+        while after.get(key, 0.0) - before.get(key, 0.0) < finished and time.monotonic() < deadline:
+            time.sleep(0.1)
+            after = self.metrics()
+        return after
+
     def close(self) -> None:
         """Stop the server's process group (SIGTERM, then SIGKILL after 20 s); idempotent."""
         if self.proc.poll() is None:
@@ -246,12 +264,6 @@ class VllmServer:
             self.log.close()
             Path(self.log.name).unlink(missing_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-# the server's histogram behind each of its mean figures
-SERVER_HISTOGRAMS = {"server_ttft_ms_mean": "vllm:time_to_first_token_seconds",
-                     "server_tpot_ms_mean": "vllm:request_time_per_output_token_seconds",
-                     "server_itl_ms_mean": "vllm:inter_token_latency_seconds"}
 
 
 def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -298,12 +310,7 @@ class VllmPolicy(StreamingPolicy):
         histograms' sums over counts): the check on the client's figures
         where the stream coalesces tokens into one chunk (a client sees an
         inter-token time of 0 for the second token of a chunk)."""
-        after, deadline = self.server.metrics(), time.monotonic() + 2.0
-        key = SERVER_HISTOGRAMS["server_tpot_ms_mean"] + "_count"
-        while after.get(key, 0.0) - before.get(key, 0.0) < completed and time.monotonic() < deadline:
-            time.sleep(0.1)  # the engine's stats reach the API server's registry a step after the last token
-            after = self.server.metrics()
-        return server_means(before, after)
+        return server_means(before, self.server.metrics_after(before, completed))
 
     def close(self) -> None:
         """The server belongs to the engine, which stops it."""
