@@ -128,11 +128,23 @@ class AccuracyProbeConfig:
 
 @dataclass
 class PerplexityProbeConfig:
-    """Token-level WikiText-2 perplexity over ``window``-token windows."""
+    """Token-level WikiText-2 perplexity over ``window``-token windows.
+
+    ``adaptive``: score ``adaptive_chunk`` windows a look, up to
+    ``max_windows`` (the cap), and stop once each of ``adaptive_budgets``
+    (relative losses, as the report's budgets) is decided against the
+    reference model at ``adaptive_alpha`` (an anytime-valid bound, see
+    :mod:`quantlab.sequential`). Points with 16- or 32-bit float weights
+    (the sweep's baseline candidates) always score the cap."""
 
     enabled: bool = False
     window: int = field(default=2048, metadata={"min": 2})
     max_windows: Optional[int] = field(default=None, metadata={"min": 1})  # None: the whole test split
+    adaptive: bool = False
+    adaptive_chunk: int = field(default=1, metadata={"min": 1})
+    adaptive_budgets: list[float] = field(default_factory=lambda: [0.01, 0.05], metadata={"above": 0})
+    # 5 % shared by up to 10 points (Holm's strictest step): a point stopped as within a budget qualifies there
+    adaptive_alpha: float = field(default=0.005, metadata={"above": 0})
 
 
 @dataclass
@@ -254,6 +266,10 @@ def validate(cfg: Any, path: str = "") -> None:
         _validate_load(cfg, path)
     if isinstance(cfg, TrackingConfig):
         _validate_driver(cfg.uri, f"{path}uri")
+    if isinstance(cfg, PerplexityProbeConfig) and not (cfg.adaptive_alpha < 1 and all(b < 1 for b in
+                                                                                     cfg.adaptive_budgets)):
+        raise ValueError(f"{path}adaptive_alpha={cfg.adaptive_alpha}, {path}adaptive_budgets={cfg.adaptive_budgets}: "
+                         f"an error rate and relative losses, each below 1")
     if isinstance(cfg, LatencyProbeConfig) and cfg.max_repeats < cfg.repeats:
         raise ValueError(f"{path}max_repeats={cfg.max_repeats}: must be >= {path}repeats ({cfg.repeats})")
     for f in dataclasses.fields(cfg):

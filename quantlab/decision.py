@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from quantlab import uncertainty
+from quantlab import sequential, uncertainty
 from quantlab.uncertainty import Bound, Paired, paired
 
 HIGHER_IS_BETTER = ("acc/", "acc_norm/", "exact_match/")
@@ -31,7 +31,7 @@ LOWER_IS_BETTER = ("ppl_token_wikitext2_w", "perplexity/", "word_perplexity/", "
                    "bits_per_byte/")
 TOKEN_ITEMS = ("ppl_token_wikitext2_w",)  # per-item values are consecutive tokens, not documents
 KL = ("fid/kl", "kvfid/kl")
-AUXILIARY = ("_windows", "_stderr", "_stderr_tokens", "_blocks")  # logged beside a metric, not metrics
+AUXILIARY = ("_windows", "_stderr", "_stderr_tokens", "_blocks", "_adaptive_cap", "_adaptive_chunk")  # logged beside a metric, not metrics
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _clamp(f):
     return lambda alpha: max(0.0, f(alpha))
 
 
-def _relative(ln_ratio: float) -> float:
+def relative(ln_ratio: float) -> float:
     """1 - PPL(base) / PPL(point) from ln(PPL(point) / PPL(base)) (no overflow)."""
     return 1.0 - math.exp(min(-ln_ratio, 700.0))
 
@@ -109,12 +109,15 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
     b = base_metrics.get(metric)
     if b is None or b <= 0 or v <= 0:
         return None
-    pair = compare(metric, items, base_items)
     lower = metric.startswith(LOWER_IS_BETTER)
+    if metric.startswith(TOKEN_ITEMS) and (f"{metric}_adaptive_cap" in metrics
+                                          or f"{metric}_adaptive_cap" in base_metrics):
+        return _sequential(metric, metrics, items, base_metrics, base_items)
+    pair = compare(metric, items, base_items)
     if pair is not None and lower:  # mean per-item NLL difference = ln(PPL(point) / PPL(base))
         unit = f"{pair.units} blocks of tokens" if metric.startswith(TOKEN_ITEMS) else f"{pair.units} documents"
-        return Loss(max(0.0, _relative(pair.diff)),
-                    Bound(_relative(pair.diff), _clamp(lambda a: _relative(
+        return Loss(max(0.0, relative(pair.diff)),
+                    Bound(relative(pair.diff), _clamp(lambda a: relative(
                         uncertainty.t_upper(pair.diff, pair.stderr, pair.units, a))), f"paired t on {unit}"), True)
     if pair is not None:
         return Loss(max(0.0, -pair.diff / b), Bound(-pair.diff / b, _clamp(
@@ -127,7 +130,7 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
     se = math.hypot(se_p, se_b)
     if lower:  # ln PPL difference, unpaired
         d = math.log(v / b)
-        bound = _clamp(lambda a: _relative(d + uncertainty.z(a) * se))
+        bound = _clamp(lambda a: relative(d + uncertainty.z(a) * se))
     else:
         bound = _clamp(lambda a: (b - v + uncertainty.z(a) * se) / b)
     return Loss(max(0.0, est), Bound(est, bound, "unpaired normal (no per-item values)"), True)
@@ -150,3 +153,27 @@ def _top1(agree: float, metrics: dict) -> Loss:
     n_eff = n / max(1.0, (se / se_tok) ** 2) if se_tok > 0 else n
     return Loss(lost, Bound(lost, lambda a: uncertainty.wilson_upper(lost, n_eff, a, m),
                             f"Wilson score at effective n {n_eff:.0f} of {int(n)} positions, t on {m} blocks"), True)
+
+
+def _sequential(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items: dict) -> Loss | None:
+    """The loss of a perplexity that one run scored adaptively (it could have
+    stopped at any look): paired on the windows both runs scored, bounded by
+    the anytime-valid confidence sequence over the looks of that design
+    (:mod:`quantlab.sequential`), not by the fixed-design t bound, which a
+    data-dependent stop would make too narrow."""
+    a, b = items.get(metric), base_items.get(metric)
+    design = metrics if f"{metric}_adaptive_cap" in metrics else base_metrics
+    if not a or not b or not metrics.get(f"{metric}_windows"):
+        return None
+    per_window = round(len(a) / metrics[f"{metric}_windows"])
+    cap, chunk = int(design[f"{metric}_adaptive_cap"]), int(design[f"{metric}_adaptive_chunk"])
+    common = min(len(a), len(b)) // per_window
+    looks = [n for n in sequential.schedule(cap, chunk) if n <= common]
+    if not looks:
+        return None
+    pairs = {n: uncertainty.paired(a[:n * per_window], b[:n * per_window], tokens=True) for n in looks}
+    est = relative(pairs[looks[-1]].diff)
+    look_upper = lambda n, level: uncertainty.t_upper(pairs[n].diff, pairs[n].stderr, pairs[n].units, level)  # noqa: E731
+    return Loss(max(0.0, est), Bound(est, _clamp(lambda al: relative(sequential.upper(al, looks, cap, look_upper))),
+                                     f"anytime-valid over {len(looks)} looks of {chunk} windows (cap {cap}), "
+                                     f"paired t on blocks of tokens"), True)

@@ -236,9 +236,7 @@ def _reference(cfg: RunConfig, name: str, tok, m: Measurement):
         m.tags["probe.fidelity.corpus"] = corpus.resolve(fid.corpus, cfg.data_dir)
         ids = corpus.token_ids(tok, fid.corpus, fid.tokens, cfg.data_dir)
         key = {"model": dataclasses.asdict(cfg.model), "dtype": fid.reference_dtype}
-        dtype = getattr(torch, fid.reference_dtype)
-        return ids, fidelity.reference(
-            key, ids, cfg.cache_dir, lambda: TorchEngine(models.load(cfg.model, cfg.cache_dir, dtype)[0]))
+        return ids, fidelity.reference(key, ids, cfg.cache_dir, lambda: _reference_engine(cfg))
     return None
 
 
@@ -274,9 +272,11 @@ def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
         with _optional_probe("perplexity", name, m):
             ids = tok(perplexity.wikitext2_text(cfg.data_dir), add_special_tokens=False, return_tensors="pt")
             wins, total = perplexity.windows(ids["input_ids"][0], ppl.window, ppl.max_windows)
-            log.info("[%s] perplexity probe (%d of %d windows of %d tokens)", name, len(wins), total, ppl.window)
-            nll = perplexity.token_nll(engine, wins)
-            metric = perplexity.metric_name(ppl.window, len(wins), total)
+            log.info("[%s] perplexity probe (%d of %d windows of %d tokens%s)", name, len(wins), total, ppl.window,
+                     ", adaptive" if ppl.adaptive else "")
+            metric = perplexity.metric_name(ppl.window, len(wins), total)  # the cap's name, however many scored
+            nll = _adaptive_nll(cfg, name, engine, wins, metric, m) if ppl.adaptive else \
+                perplexity.token_nll(engine, wins)
             m.metrics.update(perplexity.summary(nll, metric))
             m.items[metric] = [round(float(x), 5) for x in nll.ravel()]
     acc = cfg.probe.accuracy
@@ -287,6 +287,35 @@ def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
             m.metrics.update(metrics)
             m.items.update(items)
             m.artifacts["lm_eval_results.json"] = json.dumps(results, indent=2, default=str)
+
+
+def _adaptive_nll(cfg: RunConfig, name: str, engine, wins: torch.Tensor, metric: str, m: Measurement):
+    """Per-token NLLs of as many windows as the point's budgets need
+    (:func:`quantlab.probes.perplexity.adaptive_nll`), against the reference
+    model's NLLs on the same windows (cached like the fidelity reference).
+    Logs why it stopped and, where it could stop early (not a baseline
+    candidate), ``<metric>_adaptive_cap`` / ``_adaptive_chunk``: the report's
+    sequential bound reads them."""
+    ppl = cfg.probe.perplexity
+    key = {"model": dataclasses.asdict(cfg.model), "dtype": cfg.probe.fidelity.reference_dtype}
+    ref = fidelity.cached("reference_nll", key, wins, cfg.cache_dir,
+                          lambda: torch.from_numpy(perplexity.token_nll(_reference_engine(cfg), wins)))
+    weights = cfg.scheme.weights.short_name()
+    baseline = m.metrics.get("size/bits_per_weight", 0.0) >= 15.99 or cfg.recovery_baseline == weights
+    st = perplexity.adaptive_nll(engine, wins, ref.numpy(), ppl.adaptive_chunk, ppl.adaptive_budgets,
+                                 ppl.adaptive_alpha, baseline, lambda line: log.info("[%s] perplexity: %s", name, line))
+    log.info("[%s] perplexity: %s", name, st.reason)
+    if not baseline:  # a baseline candidate's design is fixed: the report bounds it as one
+        m.metrics.update({f"{metric}_adaptive_cap": float(len(wins)),
+                          f"{metric}_adaptive_chunk": float(ppl.adaptive_chunk)})
+    m.tags[point.PPL_STOP_TAG] = st.reason
+    return st.nll
+
+
+def _reference_engine(cfg: RunConfig) -> TorchEngine:
+    """The unquantized model at the fidelity probe's reference precision."""
+    dtype = getattr(torch, cfg.probe.fidelity.reference_dtype)
+    return TorchEngine(models.load(cfg.model, cfg.cache_dir, dtype)[0])
 
 
 def _cache(cfg: RunConfig, name: str, engine, config, tok, compute_bytes: int, m: Measurement) -> None:

@@ -36,6 +36,7 @@ HASH_TAG = "point_hash"
 HOST_ID_TAG = "host.id"  # short hash of the host fingerprint
 HOST_FINGERPRINT_TAG = "host.fingerprint"
 HOST_CPU_TAG = "host.cpu"
+PPL_STOP_TAG = "probe.perplexity.stop"  # adaptive perplexity: why the point stopped scoring windows
 EMULATED_TAG = "emulated"  # "true" when the latency is not the scheme's own kernels'
 
 

@@ -262,3 +262,31 @@ def test_boolq_local_says_how_it_differs_from_lm_eval(tmp_path):
                if line.startswith("| `boolq_local`"))
     assert "without the passage title" in row and "as lm-eval `boolq`" not in row
     assert "no title field" in (accuracy.TEMPLATES / "boolq_local.yaml").read_text()
+
+
+@needs_data
+def test_adaptive_perplexity_stops_a_clear_point_and_the_report_bounds_it_over_its_looks(tmp_path):
+    """fp32 (a baseline candidate) scores the cap; int8 on the tiny model
+    (a per-token NLL change ~1e-3) stops once both budgets are decided; the
+    report pairs it on the windows it scored with the anytime-valid bound."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    proc = run_cli(["-m", "model=tiny", "scheme/weights=fp32,int8", "probe=smoke", "probe.cache.enabled=false",
+                    "probe.perplexity.enabled=true", "probe.perplexity.window=128", "probe.perplexity.max_windows=8",
+                    "probe.perplexity.adaptive=true", "probe.latency.repeats=1", "probe.latency.new_tokens=4",
+                    f"cache_dir={tmp_path}/cache", f"data_dir={SHARED_DATA}", f"tracking.uri={uri}",
+                    f"tracking.artifact_root={tmp_path}/a"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    c = MlflowClient(uri)
+    runs = {r.info.run_name: r for r in c.search_runs([c.get_experiment_by_name("quantlab").experiment_id])}
+    ppl = "ppl_token_wikitext2_w128_first8"  # named by the cap, however many windows a point scored
+    fp32, int8 = runs["fp32@cpu"].data, runs["int8@cpu"].data
+    assert fp32.metrics[f"{ppl}_windows"] == 8 and f"{ppl}_adaptive_cap" not in fp32.metrics
+    assert fp32.tags["probe.perplexity.stop"].startswith("baseline candidate")
+    assert int8.metrics[f"{ppl}_windows"] < 8 and int8.metrics[f"{ppl}_adaptive_cap"] == 8
+    assert int8.tags["probe.perplexity.stop"].startswith("decided at")
+    assert len(tracking.load_items(c, runs["int8@cpu"].info.run_id)[ppl]) == int8.metrics[f"{ppl}_windows"] * 127
+    assert len(list((tmp_path / "cache" / "reference_nll").glob("*.safetensors"))) == 1
+    assert f"Decision rule: loss on `{ppl}`" in proc.stdout and "anytime-valid over" in proc.stdout
+    assert "Adaptive perplexity" in proc.stdout and "int8@cpu: decided at" in proc.stdout

@@ -19,7 +19,7 @@ PKG = Path(__file__).resolve().parent.parent / "quantlab"
 # Layers from the ground up (docs/architecture.md draws them). A module may
 # import its own layer and the ones below; the most specific prefix decides.
 LAYERS = [
-    ("base", ["errors", "digest", "point", "divergence", "decode", "stats", "uncertainty", "pareto", "measurement",
+    ("base", ["errors", "digest", "point", "divergence", "decode", "stats", "uncertainty", "sequential", "pareto", "measurement",
               "hardware", "contention", "decision", "config", "corpus"]),
     ("data", ["models", "calibration", "tracking", "plots"]),
     ("schemes", ["schemes"]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -114,20 +115,27 @@ def reference(key: dict, ids: torch.Tensor, cache_dir: str, build: Callable[[], 
     """Cached reference log-probs. ``key`` identifies model + reference precision;
     the token ids are hashed in, so another corpus or length gets another entry.
     ``build`` returns the reference engine and is only called on a cache miss."""
+    return cached("reference", key, ids, cache_dir, lambda: logprobs(build(), ids))
+
+
+def cached(kind: str, key: dict, ids: torch.Tensor, cache_dir: str,
+           compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A tensor computed from the reference model, cached on disk under
+    ``<cache_dir>/<kind>/`` by ``key`` and the token ids (written atomically:
+    a rename, so concurrent points never read half a file); ``compute`` only
+    runs on a miss."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
     digest.update(ids.numpy().tobytes())
-    path = Path(cache_dir).expanduser() / "reference" / f"{digest.hexdigest()[:24]}.safetensors"
-    if path.is_file():
-        return load_file(path)["logp"]
-    log.info("computing reference log-probs (cached at %s)", path)
-    model = build()
-    logp = logprobs(model, ids)
-    del model
+    path = Path(cache_dir).expanduser() / kind / f"{digest.hexdigest()[:24]}.safetensors"
+    if path.is_file():  # one tensor a file (files written before this change name it "logp")
+        return next(iter(load_file(path).values()))
+    log.info("computing the reference model's %s (cached at %s)", kind, path)
+    value = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({"logp": logp.contiguous()}, tmp)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    save_file({"value": value.contiguous()}, tmp)
     tmp.replace(path)
-    return logp
+    return value
 
 
 def as_parity(metrics: dict[str, float]) -> dict[str, float]:

@@ -11,11 +11,14 @@ that two points can be compared paired, token by token.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from quantlab import decision, sequential
 from quantlab.errors import UserError
 from quantlab.uncertainty import block_stderr, mean_stderr
 
@@ -70,3 +73,40 @@ def token_perplexity(engine, wins: torch.Tensor, total: int | None = None) -> di
     """:func:`summary` of :func:`token_nll`; ``total``: whole windows in the text."""
     n, window = wins.shape
     return summary(token_nll(engine, wins), metric_name(window, n, total or n))
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """What an adaptive perplexity evaluation scored and why it stopped."""
+
+    nll: np.ndarray  # [windows scored, window - 1]
+    reason: str
+    lower: float  # the running anytime-valid bounds on the loss against the reference at the last look
+    upper: float
+
+
+def adaptive_nll(engine, wins: torch.Tensor, ref_nll: np.ndarray, chunk: int, budgets: Sequence[float],
+                 alpha: float, score_all: bool = False, progress: Callable[[str], None] = lambda _: None) -> Stopped:
+    """Score ``wins`` (the cap) ``chunk`` windows a look; after each look,
+    bound the loss ``1 - PPL(reference) / PPL(point)`` on the windows so far
+    (paired per-token NLL differences against ``ref_nll``, t on block means,
+    each look at its share of ``alpha``: :mod:`quantlab.sequential`) and stop
+    once every budget is decided. ``score_all``: score the cap whatever the
+    bounds say (the sweep's baseline candidates: every other point is paired
+    against their tokens)."""
+    cap = len(wins)
+    looks = sequential.schedule(cap, chunk)
+    parts, lo, hi, before = [], -math.inf, math.inf, 0
+    for n, level in zip(looks, sequential.levels(alpha, looks, cap)):
+        parts.append(token_nll(engine, wins[before:n]))
+        before = n
+        nll = np.concatenate(parts)
+        d_lo, d_hi = sequential.mean_bounds((nll - ref_nll[:n]).ravel(), level)
+        lo, hi = max(lo, decision.relative(d_lo)), min(hi, decision.relative(d_hi))
+        progress(f"{n}/{cap} windows: loss against the reference in [{lo:.4f}, {hi:.4f}] (level {level:.2g})")
+        if n < cap and not score_all and sequential.decided(lo, hi, budgets):
+            within = [f"{b:g}" for b in budgets if hi <= b]
+            return Stopped(nll, f"decided at {n} of {cap} windows: within {', '.join(within) or 'none'} of "
+                                f"budgets {', '.join(f'{b:g}' for b in budgets)}", lo, hi)
+    return Stopped(np.concatenate(parts), "baseline candidate: scored the cap" if score_all
+                   else f"cap of {cap} windows reached", lo, hi)

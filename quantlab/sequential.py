@@ -1,0 +1,77 @@
+"""Evaluation that stops when the decision is made: a confidence sequence on
+a point's loss, built from looks at a growing prefix of its items.
+
+The design (:func:`schedule`): items are scored in looks of ``chunk`` units
+(perplexity windows) up to a ``cap`` (the fixed design's count). Look ``k``
+sees the first ``n_k`` units, information fraction ``t_k = n_k / cap``.
+
+The error is spent by Lan and DeMets' Pocock-type spending function
+(Lan & DeMets 1983, Biometrika 70:659; the form of Kim & DeMets 1987):
+``A(t) = alpha ln(1 + (e - 1) t)``, ``A(1) = alpha``: it spends early, which
+is what a rule that wants to stop early needs (the O'Brien-Fleming type
+spends ~1e-8 of 0.05 at an eighth of the items, so no early look could
+decide). Look ``k``'s bound is taken at level
+``A(t_k) - A(t_{k-1})``, and the looks are joined by the union bound
+(Bonferroni across looks), not by the exact multivariate-normal boundaries of
+a group-sequential test: conservative, but valid whatever the dependence
+between looks and whatever rule chose when to stop. So the running minimum
+of the looks' upper bounds is an **anytime-valid** upper bound at level
+``1 - alpha``: P(any look's bound falls below the true loss) <= sum of the
+levels = ``alpha``. The same holds for the running maximum of lower bounds.
+
+:func:`decided` is the stopping rule: a point stops when, for every budget,
+the running upper bound is within it (inside) or the running lower bound is
+above it (outside); else at the cap.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from quantlab import uncertainty
+
+
+def schedule(cap: int, chunk: int) -> list[int]:
+    """Units seen at each look: ``chunk, 2 chunk, ..., cap`` (the last look at the cap)."""
+    if cap < 1 or chunk < 1:
+        raise ValueError(f"a schedule needs cap >= 1 and chunk >= 1 (got cap {cap}, chunk {chunk})")
+    return [min(k * chunk, cap) for k in range(1, math.ceil(cap / chunk) + 1)]
+
+
+def spent(alpha: float, t: float) -> float:
+    """The Pocock-type spending function: error spent by information
+    fraction ``t`` of a one-sided ``alpha`` (0 at t = 0, ``alpha`` at t = 1)."""
+    return alpha * math.log(1.0 + (math.e - 1.0) * min(max(t, 0.0), 1.0))
+
+
+def levels(alpha: float, looks: Sequence[int], cap: int) -> list[float]:
+    """Each look's share of ``alpha``: the spending function's increments
+    (they add up to ``alpha`` when the last look is at the cap)."""
+    out, before = [], 0.0
+    for n in looks:
+        now = spent(alpha, n / cap)
+        out.append(max(now - before, 1e-300))
+        before = now
+    return out
+
+
+def upper(alpha: float, looks: Sequence[int], cap: int, look_upper: Callable[[int, float], float]) -> float:
+    """The anytime-valid ``1 - alpha`` upper bound after ``looks``: the least
+    of ``look_upper(n_k, level_k)`` over the looks taken."""
+    return min(look_upper(n, a) for n, a in zip(looks, levels(alpha, looks, cap)))
+
+
+def decided(lower: float, upper_: float, budgets: Sequence[float]) -> bool:
+    """Every budget decided: the loss is surely within it (``upper_ <= b``) or surely above it (``lower > b``)."""
+    return all(upper_ <= b or lower > b for b in budgets)
+
+
+def mean_bounds(diffs: Sequence[float], alpha: float, tokens: bool = True) -> tuple[float, float]:
+    """One-sided ``1 - alpha`` lower and upper bounds of the mean of per-item
+    differences (a t-interval on block means for token items, see
+    :mod:`quantlab.uncertainty`)."""
+    p = uncertainty.paired(list(diffs), [0.0] * len(diffs), tokens=tokens)
+    q = uncertainty.quantile(alpha, p.units)
+    if p.stderr <= 0:
+        return p.diff, p.diff
+    return p.diff - q * p.stderr, p.diff + q * p.stderr

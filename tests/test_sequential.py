@@ -1,0 +1,126 @@
+"""Adaptive perplexity: the spending schedule, the stopping rule, and the
+report's anytime-valid bound, whose false-qualification rate under the very
+stopping rule the probe applies stays at the stated level."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantlab import decision, sequential
+from quantlab.probes import perplexity
+
+METRIC = "ppl_token_wikitext2_w256_first8"
+
+
+@given(cap=st.integers(1, 200), chunk=st.integers(1, 50), alpha=st.floats(1e-4, 0.5))
+@settings(max_examples=60, deadline=None)
+def test_the_looks_spend_exactly_alpha_by_the_cap(cap, chunk, alpha):
+    looks = sequential.schedule(cap, chunk)
+    assert looks[-1] == cap and looks == sorted(set(looks)) and all(0 < n <= cap for n in looks)
+    lv = sequential.levels(alpha, looks, cap)
+    assert sum(lv) == pytest.approx(alpha, rel=1e-9) and all(a > 0 for a in lv)
+    assert sequential.spent(alpha, 0) == 0 and sequential.spent(alpha, 1) == pytest.approx(alpha)
+
+
+def test_bad_schedule_is_refused():
+    with pytest.raises(ValueError, match="cap >= 1 and chunk >= 1"):
+        sequential.schedule(0, 1)
+
+
+class WindowEngine:
+    """An engine whose NLLs are given: window ``i`` is the row ``[i, i, ...]``."""
+
+    def __init__(self, nll: np.ndarray):
+        self.nll, self.scored = nll, 0
+
+    def token_logprobs(self, ids):
+        self.scored += 1
+        return (torch.from_numpy(-self.nll[int(ids[0, 0])])[None],)
+
+
+def _windows(n: int, window: int = 256) -> torch.Tensor:
+    return torch.arange(n)[:, None].expand(n, window).clone()
+
+
+def _trial(rng, delta: float, sigma: float = 0.4, cap: int = 8, budgets=(0.05,), alpha=0.05, score_all=False):
+    """One point against a reference: per-token NLL differences ``delta`` plus
+    AR(1) noise (rho 0.3: neighbouring tokens are correlated, which the
+    blocks of 128 tokens absorb), windows independent."""
+    ref = rng.uniform(2.0, 4.0, size=(cap, 255))
+    e = rng.normal(0.0, sigma, size=ref.shape)
+    for i in range(1, ref.shape[1]):
+        e[:, i] = 0.3 * e[:, i - 1] + math.sqrt(1 - 0.09) * e[:, i]
+    point = ref + delta + e
+    eng = WindowEngine(point)
+    stopped = perplexity.adaptive_nll(eng, _windows(cap), ref, 1, budgets, alpha, score_all)
+    return stopped, ref, eng
+
+
+def _loss(stopped, ref, cap=8, adaptive=True):
+    nll = stopped.nll
+    metrics = {METRIC: math.exp(nll.mean()), f"{METRIC}_windows": float(len(nll))}
+    if adaptive:
+        metrics.update({f"{METRIC}_adaptive_cap": float(cap), f"{METRIC}_adaptive_chunk": 1.0})
+    base = {METRIC: math.exp(ref.mean()), f"{METRIC}_windows": float(cap)}
+    return decision.loss(METRIC, metrics, {METRIC: list(nll.ravel())}, base, {METRIC: list(ref.ravel())})
+
+
+def test_a_clear_point_stops_early_and_an_unclear_one_reaches_the_cap():
+    rng = np.random.default_rng(0)
+    clear, _, eng = _trial(rng, delta=0.0, sigma=0.05, budgets=(0.01, 0.05), alpha=0.005)
+    assert len(clear.nll) < 8 and eng.scored == len(clear.nll) and clear.reason.startswith("decided at")
+    assert "within 0.01, 0.05" in clear.reason and clear.upper <= 0.01
+    far, _, _ = _trial(rng, delta=0.5, sigma=0.05, budgets=(0.01, 0.05), alpha=0.005)  # loss ~39 %
+    assert len(far.nll) < 8 and "within none" in far.reason and far.lower > 0.05
+    edge, _, _ = _trial(rng, delta=-math.log(0.95), sigma=0.4, budgets=(0.05,), alpha=0.005)
+    assert len(edge.nll) == 8 and edge.reason == "cap of 8 windows reached"
+    full, _, eng = _trial(rng, delta=0.0, sigma=0.05, budgets=(0.05,), score_all=True)
+    assert len(full.nll) == 8 and eng.scored == 8 and full.reason.startswith("baseline candidate")
+
+
+def test_the_report_bounds_an_adaptive_point_over_its_looks():
+    """The same windows bound as a fixed design are narrower than as an
+    adaptive one (which could have stopped at any look); the method says which."""
+    stopped, ref, _ = _trial(np.random.default_rng(1), delta=0.02, score_all=True)
+    fixed, seq = _loss(stopped, ref, adaptive=False), _loss(stopped, ref, adaptive=True)
+    assert fixed.value == pytest.approx(seq.value)
+    assert seq.upper > fixed.upper > seq.value
+    assert seq.bound.method.startswith("anytime-valid over 8 looks") and "paired t" in fixed.bound.method
+    # a baseline that stopped early (a sweep without float points): paired on the windows both scored
+    short = perplexity.Stopped(stopped.nll[:3], "", 0, 1)
+    lo = decision.loss(METRIC, {METRIC: math.exp(ref.mean()), f"{METRIC}_windows": 8.0},
+                       {METRIC: list(ref.ravel())},
+                       {METRIC: 1.0, f"{METRIC}_windows": 3.0, f"{METRIC}_adaptive_cap": 8.0,
+                        f"{METRIC}_adaptive_chunk": 1.0}, {METRIC: list(short.nll.ravel())})
+    assert lo.bound.method.startswith("anytime-valid over 3 looks")
+
+
+@pytest.mark.parametrize("budget,sigma", [(0.01, 0.1), (0.05, 0.4)])
+def test_false_qualification_under_the_stopping_rule_is_at_most_alpha(budget, sigma):
+    """A point whose true loss is exactly the budget, stopped by the probe's own
+    rule at a generous per-point alpha (0.05: the most a stop can exploit),
+    then bounded by the report: qualifies in at most 5 % of trials (+ 2 se of
+    the simulation), stops included."""
+    rng = np.random.default_rng(7)
+    delta = -math.log(1.0 - budget)
+    trials, qualified, early = 400, 0, 0
+    for _ in range(trials):
+        stopped, ref, _ = _trial(rng, delta, sigma=sigma, budgets=(budget,))
+        qualified += _loss(stopped, ref).upper <= budget
+        early += len(stopped.nll) < 8
+    assert qualified / trials <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / trials)
+    assert early > 0  # the rule did stop early in some trials
+
+
+def test_an_error_rate_or_budget_of_1_or_more_is_refused():
+    from quantlab.config import PerplexityProbeConfig, validate
+
+    with pytest.raises(ValueError, match="adaptive_alpha=1.5.*each below 1"):
+        validate(PerplexityProbeConfig(adaptive_alpha=1.5), "probe.perplexity.")
+    with pytest.raises(ValueError, match=r"adaptive_budgets=\[0.01, 5.0\]"):
+        validate(PerplexityProbeConfig(adaptive_budgets=[0.01, 5.0]), "probe.perplexity.")
