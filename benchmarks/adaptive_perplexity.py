@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2)
     ap.add_argument("--alpha", type=float, default=0.005)
     ap.add_argument("--store", default=None, help="directory for the MLflow store (default: a temporary one)")
-    ap.add_argument("--cache-dir", default=os.environ.get("QUANTLAB_CACHE", "~/.cache/quantlab"))
+    ap.add_argument("--cache-dir", default=os.path.expanduser(os.environ.get("QUANTLAB_CACHE", "~/.cache/quantlab")))
     args = ap.parse_args()
     if not os.environ.get("QUANTLAB_DATA_DIR"):
         sys.exit("set QUANTLAB_DATA_DIR (WikiText-2 is read from there)")

@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from quantlab.compose import register_configs
-from quantlab.config import MODEL_PATH_HINT, RunConfig, validate
+from quantlab import tracking_server
+from quantlab.config import MODEL_PATH_HINT, RunConfig, TrackingConfig, validate
 from quantlab.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -93,7 +94,7 @@ def _one_line(e: BaseException) -> str:
     return ": ".join(parts)
 
 
-def preflight(argv: list[str]) -> None:
+def preflight(argv: list[str]) -> TrackingConfig:
     """Compose and check the first point of the command line before Hydra
     starts anything, so a bad value (``seed=abc``, ``probe.latency.new_tokens=-5``)
     fails in one line with exit 2, not after a sweep's parent run is made."""
@@ -109,7 +110,9 @@ def preflight(argv: list[str]) -> None:
             cfg = compose(config_name="config", overrides=first)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(f"invalid config: {_one_line(e)}") from None
-    check_launcher(argv, to_point(cfg).tracking.uri)
+    tracking = to_point(cfg).tracking
+    check_launcher(argv, tracking.uri)
+    return tracking
 
 
 def check_launcher(argv: list[str], tracking_uri: str) -> None:
@@ -182,8 +185,8 @@ def main() -> None:
     try:
         for w in check_overrides(sys.argv[1:]):
             print(f"quantlab: warning: {w}", file=sys.stderr)
-        preflight(sys.argv[1:])
-        _main()
+        with tracking_server.ensure(preflight(sys.argv[1:])):
+            _main()
     except UserError as e:
         print(f"quantlab: {e}", file=sys.stderr)
         sys.exit(2)

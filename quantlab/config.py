@@ -226,11 +226,15 @@ class ProbeConfig:
 
 @dataclass
 class TrackingConfig:
-    """Where runs go. ``uri`` is any MLflow tracking URI (sqlite file, server)."""
+    """Where runs go. ``uri`` is any MLflow tracking URI (sqlite file, server).
+    ``serve``: where a server quantlab starts keeps its store, when ``uri`` is
+    ``http://`` on this machine and nothing answers there
+    (:mod:`quantlab.tracking_server`); None: never start one."""
 
     uri: str = "sqlite:///mlruns/mlflow.db"
     artifact_root: Optional[str] = "mlruns/artifacts"
     experiment: str = "quantlab"
+    serve: Optional[str] = None
 
 
 @dataclass

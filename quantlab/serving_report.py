@@ -5,6 +5,7 @@ by point, in four tables, and one P99-against-rate plot overlaying points.
 2. Policies side by side at each offered rate (P50/P99 TTFT and E2E, batch).
 3. KV capacity: sequences of the context that the KV budget holds per cache.
 4. Achieved memory bandwidth against offered rate per precision, with the knee.
+5. Where the sweep spans engines (``target=cpu,llamacpp,vllm``): which serves each precision best.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
-from quantlab import plots, tracking, uncertainty
+from quantlab import plots, point, tracking, uncertainty
 from quantlab.probes import knee, load
 
 
@@ -35,6 +36,45 @@ def _fmt(v, spec: str = "{:.2f}") -> str:
 def _md(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
                       *("| " + " | ".join(r) + " |" for r in rows)])
+
+
+def engine_table(runs) -> str:
+    """### 5: per precision (the scheme), each engine's capacity under the
+    SLOs and the winner, by the knee's lower bound (as the budget rule ranks
+    capacity); '' unless the finished points span two engines or more.
+    Emulated points (not the scheme's kernels) never win; a winner whose
+    lower bound does not clear the runner-up's knee is "ahead, not
+    separated"; a contended figure (``†``) is said to be one."""
+    done = [r for r in runs if tracking.done(r) and "load/knee_rps_lower" in r.data.metrics]
+    engine = lambda r: r.data.tags.get("target.variant") or r.data.tags.get("target", "?")  # noqa: E731
+    if len({engine(r) for r in done}) < 2:
+        return ""
+    rows = []
+    for scheme in sorted({r.data.tags.get(point.SCHEME_TAG, "?") for r in done}):
+        group = sorted((r for r in done if r.data.tags.get(point.SCHEME_TAG, "?") == scheme),
+                       key=lambda r: -r.data.metrics["load/knee_rps_lower"])
+        cells = [f"{engine(r)} {_fmt(r.data.metrics.get('load/knee_rps'))} "
+                 f"(>= {_fmt(r.data.metrics['load/knee_rps_lower'])})"
+                 + ("†" if point.CONTENDED_TAG in r.data.tags else "")
+                 + (" emulated" if r.data.tags.get(point.EMULATED_TAG) == "true" else "") for r in group]
+        real = [r for r in group if r.data.tags.get(point.EMULATED_TAG) != "true"]
+        if not real or real[0].data.metrics["load/knee_rps_lower"] <= 0:
+            verdict = "none met the SLOs" if real else "no real kernel"
+        elif len(real) == 1:
+            verdict = f"{engine(real[0])} (the only engine that ran it for real)"
+        else:
+            top, second = real[0].data.metrics, real[1].data.metrics
+            verdict = f"**{engine(real[0])}**" + ("" if top["load/knee_rps_lower"] > second.get("load/knee_rps", 0.0)
+                                                 else f", ahead of {engine(real[1])} but not separated (its lower "
+                                                      f"bound is under {engine(real[1])}'s knee)")
+        if any(point.CONTENDED_TAG in r.data.tags for r in real[:2]):
+            verdict += "; a figure was timed beside other work (†): re-time before trusting the order"
+        rows.append([scheme, "; ".join(cells), verdict])
+    return "\n\n".join(["### 5. Engines at each precision", _md(
+        ["precision", "knee req/s (95% lower bound) per engine", "serves it best"], rows),
+        "Ranked by the knee's lower bound (the capacity rule of the decision); each engine served the same "
+        "scheme under the same load probe. An engine missing from a row skipped or failed that point (the "
+        "report's table says why)."])
 
 
 def section(client, runs, out: Path, title: str) -> tuple[str, list[str]]:
@@ -109,6 +149,8 @@ def section(client, runs, out: Path, title: str) -> tuple[str, list[str]]:
                      for r in tab if r["policy"] == policy]
         parts += ["### 4. Achieved weight bandwidth against offered rate (each point's knee policy)", _md(head, rows),
                   "GB/s = model forwards x weight bytes read per forward / makespan (KV reads not counted)."]
+    if engines := engine_table(runs):
+        parts.append(engines)
     if skipped:
         parts += ["Policies a point could not serve:", *skipped]
     files = []

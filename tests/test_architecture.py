@@ -21,7 +21,7 @@ PKG = Path(__file__).resolve().parent.parent / "quantlab"
 LAYERS = [
     ("base", ["errors", "digest", "point", "divergence", "decode", "stats", "uncertainty", "sequential", "pareto", "measurement",
               "hardware", "contention", "decision", "config", "corpus"]),
-    ("data", ["models", "calibration", "tracking", "plots"]),
+    ("data", ["models", "calibration", "tracking", "tracking_server", "plots"]),
     ("schemes", ["schemes"]),
     ("serving", ["serving"]),
     ("engines", ["engines"]),

@@ -378,3 +378,29 @@ def test_paragraph_prompts_keep_their_own_lengths(tmp_path):
     assert [len(p) for p in got] == [len(tok(w.strip())["input_ids"]) for w in words[1:3]] + [200]
     with pytest.raises(Exception, match="no paragraph of >= 5000 tokens"):
         corpus.paragraph_ids(tok, "auto", str(tmp_path), 6000, 5000, 10)
+
+
+def _served(scheme, engine, knee_rps, lower, **tags):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(info=SimpleNamespace(run_name=f"{scheme}@{engine}", run_id=f"{scheme}@{engine}"),
+                           data=SimpleNamespace(metrics={"load/knee_rps": knee_rps, "load/knee_rps_lower": lower},
+                                                tags={tracking.OUTCOME_TAG: "finished", "scheme": scheme,
+                                                      "target.variant": engine, **tags}))
+
+
+def test_the_serving_report_names_the_engine_that_serves_each_precision_best():
+    from quantlab import serving_report
+
+    assert serving_report.engine_table([_served("int8", "cpu", 2.0, 1.5)]) == ""  # one engine: nothing to rank
+    runs = [_served("int8", "cpu", 2.0, 1.5), _served("int8", "llamacpp", 6.0, 5.0),
+            _served("int4-g64", "cpu", 3.0, 2.0), _served("int4-g64", "vllm", 3.2, 2.5),
+            _served("fp8-e4m3", "cpu", 9.0, 8.0, emulated="true"), _served("fp8-e4m3", "vllm", 0.0, 0.0),
+            _served("bf16", "cpu", 4.0, 3.5, **{"load.warning": "timed beside 1.0 cores"}),
+            _served("bf16", "llamacpp", 3.0, 2.0)]
+    text = serving_report.engine_table(runs)
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["int8"].endswith("| **llamacpp** |") and "llamacpp 6.00 (>= 5.00); cpu 2.00 (>= 1.50)" in rows["int8"]
+    assert "**vllm**, ahead of cpu but not separated" in rows["int4-g64"]
+    assert rows["fp8-e4m3"].endswith("| none met the SLOs |") and "cpu 9.00 (>= 8.00) emulated" in rows["fp8-e4m3"]
+    assert "cpu 4.00 (>= 3.50)†" in rows["bf16"] and "re-time before trusting the order" in rows["bf16"]

@@ -3,6 +3,7 @@ sweep as the basic launcher, and the bad inputs refused before anything starts."
 from __future__ import annotations
 
 import importlib.util
+import socket
 
 import mlflow
 import pytest
@@ -15,17 +16,29 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_ray
                                reason="the ray extra is not installed (pip install -e '.[ray]')")
 
 
-def _sweep(tmp_path, name: str, *extra: str):
-    db = tmp_path / f"{name}.db"
-    proc = run_cli(["+sweep=smoke", "model=tiny", f"tracking.uri=sqlite:///{db}",
-                    f"tracking.artifact_root={tmp_path}/{name}-art", *extra], timeout=600)
-    client = mlflow.MlflowClient(f"sqlite:///{db}")
+def _sweep(tmp_path, name: str, *extra: str, server: bool = False):
+    """Run the smoke sweep into a file store, or (``server``) through a
+    tracking server quantlab starts for it; the runs and the parent's artifacts."""
+    db = tmp_path / name / "mlflow.db" if server else tmp_path / f"{name}.db"
+    store = ["tracking=server", f"tracking.uri=http://127.0.0.1:{_free_port()}", f"tracking.serve={db.parent}"] \
+        if server else [f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={tmp_path}/{name}-art"]
+    proc = run_cli(["+sweep=smoke", "model=tiny", *store, *extra], timeout=600)
+    client = mlflow.MlflowClient(f"sqlite:///{db}")  # the server's own store, read after it stopped
     exp = client.get_experiment_by_name("quantlab").experiment_id
     parents = client.search_runs([exp], f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'")
     assert len(parents) == 1, proc.stderr[-2000:]
     kids = {r.info.run_name: r for r in tracking.children(client, exp, parents[0].info.run_id)}
-    arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
+    if server:
+        arts = {p.name for p in (db.parent / "artifacts").glob(f"*/{parents[0].info.run_id}/artifacts/*")}
+    else:
+        arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     return proc, kids, arts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @needs_ray
@@ -45,6 +58,23 @@ def test_a_ray_sweep_logs_what_the_basic_launcher_logs(tmp_path):
     pids = {r.data.tags[point.PID_TAG] for r in r_kids.values()}
     assert len(pids) == 3 and len({r.data.tags[point.PID_TAG] for r in b_kids.values()}) == 1
     assert "Initializing ray" in ray.stdout + ray.stderr and "UserWarning" not in ray.stderr
+
+
+@needs_ray
+def test_a_ray_sweep_through_a_tracking_server_quantlab_starts(tmp_path):
+    """``hydra/launcher=ray tracking=server`` with no server running: one is
+    started for the sweep (the only writer: the workers log over HTTP), and
+    its store holds the runs and metric names the basic launcher's file store
+    does, the report on the parent, exit 0."""
+    basic, b_kids, _ = _sweep(tmp_path, "basic")
+    ray, r_kids, r_arts = _sweep(tmp_path, "served", "hydra/launcher=ray", server=True)
+    assert basic.returncode == ray.returncode == 0, ray.stderr[-3000:]
+    assert "started an MLflow tracking server" in ray.stderr
+    assert set(b_kids) == set(r_kids) == {"fp32@cpu", "bf16@cpu", "fp16@cpu"}
+    for name, r in r_kids.items():
+        assert r.data.tags[point.OUTCOME_TAG] == b_kids[name].data.tags[point.OUTCOME_TAG] == "finished"
+        assert set(r.data.metrics) == set(b_kids[name].data.metrics), name
+    assert "report.md" in r_arts and len({r.data.tags[point.PID_TAG] for r in r_kids.values()}) == 3
 
 
 def test_ray_bad_input_is_one_line_before_anything_starts(tmp_path, monkeypatch):

@@ -99,8 +99,42 @@ def test_two_workers_against_postgres_server(mlflow_server):
 
 def test_unreachable_server_fails_before_any_work():
     port = _free_port()  # nothing listens there
-    proc = run_cli(["+sweep=smoke", "model=tiny", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}"],
-                   timeout=300)
+    proc = run_cli(["+sweep=smoke", "model=tiny", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
+                    "tracking.serve=null"], timeout=300)  # serve=null: never start one here
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"quantlab: tracking store http://127.0.0.1:{port} unusable")
     assert "loading model" not in proc.stdout
+
+
+def test_a_local_server_is_started_for_the_sweep_and_stopped_with_it(tmp_path):
+    """tracking=server on this machine with nothing there: quantlab starts
+    ``mlflow server`` (store and served artifacts under tracking.serve), the
+    points log through it, the report lands in its artifact store, and the
+    server is gone when the command returns."""
+    port = _free_port()
+    serve = tmp_path / "srv"
+    proc = run_cli(["+sweep=smoke", "model=tiny", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
+                    f"tracking.serve={serve}", "probe.latency.repeats=1"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"started an MLflow tracking server at http://127.0.0.1:{port}" in proc.stderr
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+    client = MlflowClient(f"sqlite:///{serve}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
+    children = sorted(r.info.run_name for r in runs if tracking.PARENT_TAG in r.data.tags)
+    assert children == ["bf16@cpu", "fp16@cpu", "fp32@cpu"] and all(r.info.status == "FINISHED" for r in runs)
+    assert runs[0].info.artifact_uri.startswith("mlflow-artifacts:")  # served, not a path on the worker
+    assert len(list((serve / "artifacts").rglob("report.md"))) == 1 and len(list(serve.rglob("config.yaml"))) == 3
+
+
+def test_a_server_that_cannot_start_is_one_line_and_nothing_runs(tmp_path):
+    with socket.socket() as busy:  # listens, never answers HTTP: mlflow server cannot bind the port
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_cli(["+sweep=smoke", "model=tiny", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
+                        f"tracking.serve={tmp_path}/srv"], timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"quantlab: tracking server at http://127.0.0.1:{port} (started here") and "exited" in last
+    assert "loading model" not in proc.stdout + proc.stderr
