@@ -133,6 +133,22 @@ def run_point(cfg: RunConfig) -> PointResult:
     return _execute(cfg, run_id, name, client)
 
 
+def record_lost(cfg: RunConfig, reason: str) -> PointResult:
+    """A point whose worker or node died under it (the launcher saw its task
+    fail, so nothing on that worker could log it): its RUNNING run under this
+    sweep, or a new run when it never started one, ends FAILED with
+    ``reason``. A rerun of the sweep redoes it (a failed run is never reused)."""
+    client, exp_id = tracking.connect(cfg.tracking)
+    ident, as_dict = identify(cfg)
+    parent = os.environ.get(PARENT_ENV)
+    run = tracking.find_running(client, exp_id, ident.hash, parent)
+    run_id = run.info.run_id if run is not None else tracking.start_run(
+        client, exp_id, ident.name, base_tags(cfg, ident), parent_id=parent, params=run_params(cfg, ident, as_dict))
+    log.error("[%s] failed: %s", ident.name, reason)
+    tracking.end(client, run_id, "failed", reason)
+    return PointResult(run_id, ident.name, "failed", reason)
+
+
 def _execute(cfg: RunConfig, run_id: str, name: str, client=None) -> PointResult:
     """Measure, log what was measured (also after a failure) and close the run,
     turning any exception into a FAILED run."""

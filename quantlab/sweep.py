@@ -24,7 +24,7 @@ from quantlab.errors import UserError
 from quantlab.pipeline import PARENT_ENV
 
 log = logging.getLogger("quantlab")
-RAY_LAUNCHER = "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"
+RAY_LAUNCHER = "hydra_plugins.quantlab_ray_launcher.RayLauncher"
 
 
 def _tracking_cfg(config: DictConfig) -> TrackingConfig:

@@ -282,6 +282,16 @@ def find_finished(client: MlflowClient, experiment_id: str, point_hash: str, hos
     return runs[0] if runs else None
 
 
+@retry
+def find_running(client: MlflowClient, experiment_id: str, point_hash: str, parent_id: str | None):
+    """The newest RUNNING run of this point under ``parent_id`` (any parent when None), or None."""
+    parent = f" and tags.`{PARENT_TAG}` = '{parent_id}'" if parent_id else ""
+    runs = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{HASH_TAG}` = '{point_hash}' and attributes.status = 'RUNNING'{parent}",
+        order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
 def _alive(tags: dict[str, str]) -> bool:
     """Whether the process that owns a RUNNING run still exists. Runs owned by
     another host are assumed alive (nothing here can tell)."""

@@ -2,18 +2,29 @@
 sweep as the basic launcher, and the bad inputs refused before anything starts."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import socket
 
 import mlflow
 import pytest
 
-from quantlab import cli, point, tracking
+from quantlab import cli, point, tracking, tracking_server
 from quantlab.errors import UserError
 from tests.conftest import run_cli
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None,
                                reason="the ray extra is not installed (pip install -e '.[ray]')")
+
+
+@pytest.fixture(autouse=True)
+def ray_on_loopback(monkeypatch):
+    """Ray gives its nodes this machine's interface address (127.0.0.1 becomes
+    it too, when a driver connects); its single-machine mode, which this
+    variable turns on, keeps every node, driver and worker on 127.0.0.1.
+    Inherited by the quantlab processes the tests start."""
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def _sweep(tmp_path, name: str, *extra: str, server: bool = False):
@@ -96,3 +107,66 @@ def test_ray_bad_input_is_one_line_before_anything_starts(tmp_path, monkeypatch)
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("quantlab:")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "points on other nodes cannot write the file store" in lines[0] and not (tmp_path / "m.db").exists()
+
+
+@needs_ray
+def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path):
+    """A two-node local cluster (ray.cluster_utils.Cluster, one CPU each),
+    points logging to a tracking server quantlab starts: the worker node is
+    killed while it runs a point. That point ends FAILED "node or worker
+    lost", the others FINISHED once, the parent run ends, exit 1; the same
+    command again (the head alone) finishes the lost point and reuses the rest."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from ray.cluster_utils import Cluster
+
+    from tests.conftest import REPO
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    worker = cluster.add_node(num_cpus=1)
+    port, serve = _free_port(), tmp_path / "srv"
+    args = ["+sweep=smoke", "model=tiny", "hydra/launcher=ray", f"hydra.launcher.ray.init.address={cluster.address}",
+            "hydra.launcher.ray.remote.num_cpus=1", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
+            f"tracking.serve={serve}", "probe.latency.min_seconds=20"]
+    try:
+        log = open(tmp_path / "sweep.log", "w")  # a file, not a pipe: nobody reads while it runs
+        proc = subprocess.Popen([sys.executable, "-m", "quantlab", *args], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        raylet = worker.all_processes["raylet"][0].process.pid
+        victim, deadline = None, time.time() + 300
+        while victim is None and time.time() < deadline and proc.poll() is None:
+            time.sleep(1)
+            if not tracking_server.answers(f"http://127.0.0.1:{port}"):  # the client would retry for minutes
+                continue
+            client = mlflow.MlflowClient(f"http://127.0.0.1:{port}")
+            with contextlib.suppress(Exception):  # the server may be starting
+                for r in client.search_runs(["0", "1"], "attributes.status = 'RUNNING'"):
+                    pid = int(r.data.tags.get(point.PID_TAG, 0))
+                    if pid and psutil.pid_exists(pid) and raylet in {p.pid for p in psutil.Process(pid).parents()}:
+                        victim = r.info.run_name
+        assert victim is not None, "no point ran on the worker node: " + (tmp_path / "sweep.log").read_text()[-3000:]
+        cluster.remove_node(worker, allow_graceful=False)
+        proc.wait(timeout=600)
+        log.close()
+        assert proc.returncode == 1, (tmp_path / "sweep.log").read_text()[-3000:]
+        client = mlflow.MlflowClient(f"sqlite:///{serve}/mlflow.db")
+        exp = client.get_experiment_by_name("quantlab").experiment_id
+        (parent,) = client.search_runs([exp], f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'")
+        assert parent.info.status == "FAILED"  # ended, with a failed point
+        kids = tracking.children(client, exp, parent.info.run_id)
+        assert sorted(r.info.run_name for r in kids) == ["bf16@cpu", "fp16@cpu", "fp32@cpu"]
+        lost = {r.info.run_name: r.data.tags[point.REASON_TAG] for r in kids if r.info.status == "FAILED"}
+        assert list(lost) == [victim] and lost[victim].startswith("node or worker lost"), lost
+        assert all(r.data.tags[point.OUTCOME_TAG] == "finished" for r in kids if r.info.run_name != victim)
+        again = run_cli(args, timeout=600)
+        assert again.returncode == 0, again.stderr[-3000:]
+        newest = max(client.search_runs([exp], f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'"),
+                     key=lambda r: r.info.start_time)
+        runs, reused = tracking.sweep_runs(client, exp, newest.info.run_id)
+        assert [r.info.run_name for r in runs] == [victim] and runs[0].info.status == "FINISHED"
+        assert sorted(r.info.run_name for r in reused) == sorted({"bf16@cpu", "fp16@cpu", "fp32@cpu"} - {victim})
+    finally:
+        cluster.shutdown()
