@@ -12,6 +12,11 @@
 #   +sweep=launch_overhead  compile / CUDA graphs for bf16, fp8-w8a8, int4: P50 and P99 per token
 #   +sweep=fp8_vs_int4      the weight schemes, eager (real FP8 W8A8 on SM >= 8.9, torchao int4/int8)
 #   +sweep=kv               the KV-cache schemes on bf16 weights
+#   vllm                    +sweep=fp8_vs_int4 target=vllm target.device=cuda (bf16, fp8-w8a8, int8, int4-g64,
+#                           quantlab's exports served by vLLM's CUDA kernels), only where QUANTLAB_VLLM_PYTHON
+#                           names a CUDA vLLM venv there (VLLM_PACKAGE=vllm==<version pinning torch 2.13> bash
+#                           scripts/build_vllm_venv.sh: its wheels are over the device's 64 MiB carry, so the
+#                           check says it skipped it otherwise)
 # (GPU_CHECK_SWEEPS="kv" runs a subset; GPU_CHECK_SWEEP_S=N replaces every sweep's limit)
 # and writes $OUT/gpu_report.md: the capability matrix seen there and each sweep's report.
 # The model is SmolLM2-135M's shape with random weights (its GGUF, 92 MB, is over
@@ -26,7 +31,7 @@ log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
 TARGET=${GPU_CHECK_TARGET:-cuda}
 PY=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
-SWEEPS=" ${GPU_CHECK_SWEEPS:-launch_overhead fp8_vs_int4 kv} "   # a subset reruns one part
+SWEEPS=" ${GPU_CHECK_SWEEPS:-launch_overhead fp8_vs_int4 kv vllm} "   # a subset reruns one part
 start=$(date +%s)
 
 command -v "$PY" >/dev/null || fail "no $PY on PATH"
@@ -53,11 +58,11 @@ MODEL=(model=tiny model.name=smollm2-shape model.tiny.hidden_size=576 model.tiny
        model.tiny.num_key_value_heads=3 model.tiny.max_position_embeddings=2048)
 COMMON=("${MODEL[@]}" "tracking.uri=$STORE" "tracking.artifact_root=/tmp/quantlab-artifacts" probe=smoke)
 
-sweep() {  # name, time limit in seconds, then overrides
-  local name=$1 limit=${GPU_CHECK_SWEEP_S:-$2}; shift 2
+sweep() {  # name (its sweep_name), preset, time limit in seconds, then overrides
+  local name=$1 preset=$2 limit=${GPU_CHECK_SWEEP_S:-$3}; shift 3
   [[ "$SWEEPS" == *" $name "* ]] || return 0
   log "sweep $name, at most $limit s ($*)"
-  timeout "$limit" "$PY" -m quantlab "+sweep=$name" "${COMMON[@]}" "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" "$PY" -m quantlab "+sweep=$preset" "sweep_name=$name" "${COMMON[@]}" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   [ $rc -eq 124 ] && echo "sweep $name: stopped at its ${limit} s limit" >>"$OUT/notes.txt"
   [ $rc -ne 0 ] && [ $rc -ne 124 ] && echo "sweep $name: exit $rc ($(grep -v '^\s*$' "$OUT/$name.log" | tail -1))" \
@@ -69,14 +74,25 @@ sweep() {  # name, time limit in seconds, then overrides
 # point (inductor over 30 layers) takes over 100 s, so the compiled sweep gets the
 # most time and leaves eager to fp8_vs_int4.
 if [ "$TARGET" = cuda ]; then
-  sweep launch_overhead 250 target=cuda-graphs,cuda-compile scheme/weights=bf16,fp8-w8a8,int4-g64 \
+  sweep launch_overhead launch_overhead 250 target=cuda-graphs,cuda-compile scheme/weights=bf16,fp8-w8a8,int4-g64 \
     probe.latency.repeats=5 probe.latency.new_tokens=64
-  sweep fp8_vs_int4 100 target=cuda scheme/weights=fp32,bf16,fp16,fp8-e4m3,fp8-w8a8,int8,int4-g64,int4-g32,nf4
-  sweep kv 90 target=cuda probe.cache.corpus=builtin scheme/weights=bf16
+  sweep fp8_vs_int4 fp8_vs_int4 100 target=cuda \
+    scheme/weights=fp32,bf16,fp16,fp8-e4m3,fp8-w8a8,int8,int4-g64,int4-g32,nf4
+  sweep kv kv 90 target=cuda probe.cache.corpus=builtin scheme/weights=bf16
 else  # dry run: the same sweeps and wiring on the CPU, two points each
-  sweep launch_overhead 300 target=cpu scheme/weights=bf16,int8 probe.latency.repeats=1 probe.latency.new_tokens=4
-  sweep fp8_vs_int4 300 target=cpu scheme/weights=bf16,fp8-w8a8 probe.latency.repeats=1
-  sweep kv 300 target=cpu probe.cache.corpus=builtin scheme/weights=bf16 scheme/kv=none,int8 probe.latency.repeats=1
+  sweep launch_overhead launch_overhead 300 target=cpu scheme/weights=bf16,int8 probe.latency.repeats=1 \
+    probe.latency.new_tokens=4
+  sweep fp8_vs_int4 fp8_vs_int4 300 target=cpu scheme/weights=bf16,fp8-w8a8 probe.latency.repeats=1
+  sweep kv kv 300 target=cpu probe.cache.corpus=builtin scheme/weights=bf16 scheme/kv=none,int8 probe.latency.repeats=1
+fi
+if [[ "$SWEEPS" == *" vllm "* ]]; then
+  if [ "$TARGET" = cuda ] && [ -n "${QUANTLAB_VLLM_PYTHON:-}" ]; then  # a vLLM server start is about a minute a point
+    sweep vllm fp8_vs_int4 300 target=vllm target.device=cuda scheme/weights=bf16,fp8-w8a8,int8,int4-g64
+  else
+    echo "sweep vllm: skipped (needs target cuda and QUANTLAB_VLLM_PYTHON, a CUDA vLLM venv on this machine)" \
+      >>"$OUT/notes.txt"
+    SWEEPS=${SWEEPS/ vllm / }
+  fi
 fi
 
 {

@@ -20,6 +20,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
+import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
@@ -200,6 +202,7 @@ def _run_in_subprocess(cfg: RunConfig, run_id: str, name: str, client) -> PointR
 
 def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
     """The straight line of one point; returns (outcome, reason), fills ``m``."""
+    _check_node(cfg)
     target = targets.get(cfg.target)
     weights, kv = cfg.scheme.weights, cfg.scheme.kv
     verdict = target.supports(weights, kv)
@@ -240,6 +243,17 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
             engine.close()
     log.info("[%s] done: %s", name, _headline(m.metrics))
     return "finished", ""
+
+
+def _check_node(cfg: RunConfig) -> None:
+    """On a Ray worker, a data directory this node cannot see fails the point:
+    here a missing directory would skip its accuracy probes with a tag, and a
+    sweep whose nodes differ would compare points measured on different data.
+    (On the machine that composed the sweep a missing one skips them, as ever.)"""
+    ray = sys.modules.get("ray")
+    if cfg.data_dir and ray is not None and ray.is_initialized() and not Path(cfg.data_dir).expanduser().is_dir():
+        raise UserError(f"data_dir {cfg.data_dir} is not on this node ({socket.gethostname()}): every node of the "
+                        "cluster needs it at the same path (a shared or copied directory)")
 
 
 def _reference(cfg: RunConfig, name: str, tok, m: Measurement):

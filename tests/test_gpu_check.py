@@ -27,6 +27,7 @@ def test_dry_run_on_cpu_writes_report_and_store(tmp_path):
     report = (tmp_path / "gpu_report.md").read_text()
     for section in ("## Capability matrix", "## launch_overhead", "## fp8_vs_int4", "## kv", "| weights=int8 |"):
         assert section in report
+    assert "sweep vllm: skipped (needs target cuda and QUANTLAB_VLLM_PYTHON" in report and "## vllm" not in report
     c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = [r for r in c.search_runs([c.get_experiment_by_name("quantlab").experiment_id])
             if r.data.tags.get("quantlab.role") != "sweep"]

@@ -111,9 +111,9 @@ def test_ray_bad_input_is_one_line_before_anything_starts(tmp_path, monkeypatch)
 
 @needs_ray
 def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path):
-    """A two-node local cluster (ray.cluster_utils.Cluster, one CPU each),
-    points logging to a tracking server quantlab starts: the worker node is
-    killed while it runs a point. That point ends FAILED "node or worker
+    """A two-node local cluster (ray.cluster_utils.Cluster, one CPU each), two
+    points (one a node) logging to a tracking server quantlab starts: the
+    worker node is killed while it runs its point. That point ends FAILED "node or worker
     lost", the others FINISHED once, the parent run ends, exit 1; the same
     command again (the head alone) finishes the lost point and reuses the rest."""
     import subprocess
@@ -130,7 +130,7 @@ def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path):
     port, serve = _free_port(), tmp_path / "srv"
     args = ["+sweep=smoke", "model=tiny", "hydra/launcher=ray", f"hydra.launcher.ray.init.address={cluster.address}",
             "hydra.launcher.ray.remote.num_cpus=1", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
-            f"tracking.serve={serve}", "probe.latency.min_seconds=20"]
+            f"tracking.serve={serve}", "scheme/weights=fp32,bf16", "probe.latency.min_seconds=20"]
     try:
         log = open(tmp_path / "sweep.log", "w")  # a file, not a pipe: nobody reads while it runs
         proc = subprocess.Popen([sys.executable, "-m", "quantlab", *args], cwd=REPO, stdout=log,
@@ -157,7 +157,7 @@ def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path):
         (parent,) = client.search_runs([exp], f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'")
         assert parent.info.status == "FAILED"  # ended, with a failed point
         kids = tracking.children(client, exp, parent.info.run_id)
-        assert sorted(r.info.run_name for r in kids) == ["bf16@cpu", "fp16@cpu", "fp32@cpu"]
+        assert sorted(r.info.run_name for r in kids) == ["bf16@cpu", "fp32@cpu"]
         lost = {r.info.run_name: r.data.tags[point.REASON_TAG] for r in kids if r.info.status == "FAILED"}
         assert list(lost) == [victim] and lost[victim].startswith("node or worker lost"), lost
         assert all(r.data.tags[point.OUTCOME_TAG] == "finished" for r in kids if r.info.run_name != victim)
@@ -167,6 +167,18 @@ def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path):
                      key=lambda r: r.info.start_time)
         runs, reused = tracking.sweep_runs(client, exp, newest.info.run_id)
         assert [r.info.run_name for r in runs] == [victim] and runs[0].info.status == "FINISHED"
-        assert sorted(r.info.run_name for r in reused) == sorted({"bf16@cpu", "fp16@cpu", "fp32@cpu"} - {victim})
+        assert [r.info.run_name for r in reused] == [n for n in ("bf16@cpu", "fp32@cpu") if n != victim]
     finally:
         cluster.shutdown()
+
+
+@needs_ray
+def test_a_node_without_the_data_directory_fails_its_point_in_one_line(tmp_path):
+    """On a Ray worker a missing data_dir is a FAILED point naming the node,
+    not accuracy probes silently skipped on some nodes only."""
+    proc, kids, _ = _sweep(tmp_path, "nodata", "hydra/launcher=ray", "scheme/weights=fp32",
+                           f"data_dir={tmp_path}/nowhere")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (run,) = kids.values()
+    assert run.info.status == "FAILED"
+    assert run.data.tags[point.REASON_TAG].startswith(f"data_dir {tmp_path}/nowhere is not on this node")
