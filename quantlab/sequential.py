@@ -6,10 +6,10 @@ The design (:func:`schedule`): items are scored in looks of ``chunk`` units
 sees the first ``n_k`` units, information fraction ``t_k = n_k / cap``.
 
 The error is spent by Lan and DeMets' Pocock-type spending function
-(Lan & DeMets 1983, Biometrika 70:659; the form of Kim & DeMets 1987):
+(Lan & DeMets 1983, Biometrika 70:659):
 ``A(t) = alpha ln(1 + (e - 1) t)``, ``A(1) = alpha``: it spends early, which
 is what a rule that wants to stop early needs (the O'Brien-Fleming type
-spends ~1e-8 of 0.05 at an eighth of the items, so no early look could
+spends ~3e-8 of 0.05 at an eighth of the items, so no early look could
 decide). Look ``k``'s bound is taken at level
 ``A(t_k) - A(t_{k-1})``, and the looks are joined by the union bound
 (Bonferroni across looks), not by the exact multivariate-normal boundaries of
