@@ -31,7 +31,8 @@ LOWER_IS_BETTER = ("ppl_token_wikitext2_w", "perplexity/", "word_perplexity/", "
                    "bits_per_byte/")
 TOKEN_ITEMS = ("ppl_token_wikitext2_w",)  # per-item values are consecutive tokens, not documents
 KL = ("fid/kl", "kvfid/kl")
-AUXILIARY = ("_windows", "_stderr", "_stderr_tokens", "_blocks", "_adaptive_cap", "_adaptive_chunk")  # logged beside a metric, not metrics
+# logged beside a metric, not metrics
+AUXILIARY = ("_windows", "_stderr", "_stderr_tokens", "_blocks", "_adaptive_cap", "_adaptive_chunk")
 
 
 @dataclass(frozen=True)

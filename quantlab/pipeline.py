@@ -265,8 +265,7 @@ def _reference(cfg: RunConfig, name: str, tok, m: Measurement):
     with _optional_probe("fidelity", name, m):
         m.tags["probe.fidelity.corpus"] = corpus.resolve(fid.corpus, cfg.data_dir)
         ids = corpus.token_ids(tok, fid.corpus, fid.tokens, cfg.data_dir)
-        key = {"model": dataclasses.asdict(cfg.model), "dtype": fid.reference_dtype}
-        return ids, fidelity.reference(key, ids, cfg.cache_dir, lambda: _reference_engine(cfg))
+        return ids, fidelity.reference(_reference_key(cfg), ids, cfg.cache_dir, lambda: _reference_engine(cfg))
     return None
 
 
@@ -327,8 +326,7 @@ def _adaptive_nll(cfg: RunConfig, name: str, engine, wins: torch.Tensor, metric:
     candidate), ``<metric>_adaptive_cap`` / ``_adaptive_chunk``: the report's
     sequential bound reads them."""
     ppl = cfg.probe.perplexity
-    key = {"model": dataclasses.asdict(cfg.model), "dtype": cfg.probe.fidelity.reference_dtype}
-    ref = fidelity.cached("reference_nll", key, wins, cfg.cache_dir,
+    ref = fidelity.cached("reference_nll", _reference_key(cfg), wins, cfg.cache_dir,
                           lambda: torch.from_numpy(perplexity.token_nll(_reference_engine(cfg), wins)))
     weights = cfg.scheme.weights.short_name()
     baseline = m.metrics.get("size/bits_per_weight", 0.0) >= 15.99 or cfg.recovery_baseline == weights
@@ -340,6 +338,11 @@ def _adaptive_nll(cfg: RunConfig, name: str, engine, wins: torch.Tensor, metric:
                           f"{metric}_adaptive_chunk": float(ppl.adaptive_chunk)})
     m.tags[point.PPL_STOP_TAG] = st.reason
     return st.nll
+
+
+def _reference_key(cfg: RunConfig) -> dict:
+    """What identifies the reference model in its caches: the model and the reference precision."""
+    return {"model": dataclasses.asdict(cfg.model), "dtype": cfg.probe.fidelity.reference_dtype}
 
 
 def _reference_engine(cfg: RunConfig) -> TorchEngine:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from quantlab import uncertainty
 
 
@@ -66,12 +68,12 @@ def decided(lower: float, upper_: float, budgets: Sequence[float]) -> bool:
     return all(upper_ <= b or lower > b for b in budgets)
 
 
-def mean_bounds(diffs: Sequence[float], alpha: float, tokens: bool = True) -> tuple[float, float]:
-    """One-sided ``1 - alpha`` lower and upper bounds of the mean of per-item
-    differences (a t-interval on block means for token items, see
-    :mod:`quantlab.uncertainty`)."""
-    p = uncertainty.paired(list(diffs), [0.0] * len(diffs), tokens=tokens)
-    q = uncertainty.quantile(alpha, p.units)
-    if p.stderr <= 0:
-        return p.diff, p.diff
-    return p.diff - q * p.stderr, p.diff + q * p.stderr
+def mean_bounds(diffs: np.ndarray, alpha: float) -> tuple[float, float]:
+    """One-sided ``1 - alpha`` lower and upper bounds of the mean of per-token
+    differences (a t-interval on block means, see :mod:`quantlab.uncertainty`)."""
+    mean = float(np.mean(diffs))
+    se, blocks = uncertainty.block_stderr(diffs)
+    if se <= 0:
+        return mean, mean
+    q = uncertainty.quantile(alpha, blocks)
+    return mean - q * se, mean + q * se

@@ -23,6 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
 
+from quantlab import tracking_server
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
 from quantlab.point import (HASH_TAG, HOST_ID_TAG, HOST_TAG, OUTCOME_TAG, PARENT_TAG, PID_START_TAG, PID_TAG,
@@ -125,16 +126,8 @@ def relocate_artifacts(db: Path) -> int:
 def _check_server(uri: str, timeout: float = 5.0) -> None:
     """One quick request, so an unreachable server fails in seconds rather than
     after MLflow's retries with backoff (minutes)."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout)
-    except urllib.error.HTTPError:
-        return  # it answered: a proxy or an older server without /health
-    except OSError as e:
-        reason = getattr(e, "reason", e)
-        raise UserError(f"tracking store {uri} unusable: server unreachable ({reason})") from e
+    if why := tracking_server.unreachable(uri, timeout):
+        raise UserError(f"tracking store {uri} unusable: server unreachable ({why})")
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -31,15 +31,16 @@ from quantlab.errors import UserError
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def answers(uri: str, timeout_s: float = 2.0) -> bool:
-    """Something answers HTTP at ``uri`` (an error status counts: it answered)."""
+def unreachable(uri: str, timeout_s: float = 2.0) -> str:
+    """'' when something answers HTTP at ``uri`` (an error status counts: a
+    proxy, or an older server without ``/health``), else why not."""
     try:
         urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s)
     except urllib.error.HTTPError:
-        return True
-    except OSError:
-        return False
-    return True
+        return ""
+    except OSError as e:
+        return str(getattr(e, "reason", e))
+    return ""
 
 
 def command(uri: str, root: Path) -> list[str]:
@@ -57,7 +58,7 @@ def ensure(cfg: TrackingConfig, timeout_s: float = 120.0) -> Iterator[subprocess
     leaving the block, also on an exception or ``sys.exit``). Raises
     UserError in one line when the server exits or stays silent at start."""
     u = urlparse(cfg.uri)
-    if not cfg.serve or u.scheme != "http" or u.hostname not in LOCAL_HOSTS or answers(cfg.uri):
+    if not cfg.serve or u.scheme != "http" or u.hostname not in LOCAL_HOSTS or not unreachable(cfg.uri):
         yield None
         return
     root = Path(cfg.serve).expanduser().resolve()
@@ -68,7 +69,7 @@ def ensure(cfg: TrackingConfig, timeout_s: float = 120.0) -> Iterator[subprocess
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
-        while not answers(cfg.uri):
+        while unreachable(cfg.uri):
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = (logfile.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]
                 why = f"exited with status {proc.returncode}" if proc.poll() is not None \

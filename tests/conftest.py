@@ -42,3 +42,12 @@ def run_cli(args: list[str], timeout: int = 600, python_flags: tuple[str, ...] =
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, *python_flags, "-m", "quantlab", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of asking)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

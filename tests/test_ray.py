@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import socket
 
 import mlflow
 import pytest
 
 from quantlab import cli, point, tracking, tracking_server
 from quantlab.errors import UserError
-from tests.conftest import run_cli
+from tests.conftest import REPO, free_port, run_cli
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None,
                                reason="the ray extra is not installed (pip install -e '.[ray]')")
@@ -31,7 +30,7 @@ def _sweep(tmp_path, name: str, *extra: str, server: bool = False):
     """Run the smoke sweep into a file store, or (``server``) through a
     tracking server quantlab starts for it; the runs and the parent's artifacts."""
     db = tmp_path / name / "mlflow.db" if server else tmp_path / f"{name}.db"
-    store = ["tracking=server", f"tracking.uri=http://127.0.0.1:{_free_port()}", f"tracking.serve={db.parent}"] \
+    store = ["tracking=server", f"tracking.uri=http://127.0.0.1:{free_port()}", f"tracking.serve={db.parent}"] \
         if server else [f"tracking.uri=sqlite:///{db}", f"tracking.artifact_root={tmp_path}/{name}-art"]
     proc = run_cli(["+sweep=smoke", "model=tiny", *store, *extra], timeout=600)
     client = mlflow.MlflowClient(f"sqlite:///{db}")  # the server's own store, read after it stopped
@@ -44,12 +43,6 @@ def _sweep(tmp_path, name: str, *extra: str, server: bool = False):
     else:
         arts = {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     return proc, kids, arts
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @needs_ray
@@ -123,11 +116,10 @@ def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path):
     import psutil
     from ray.cluster_utils import Cluster
 
-    from tests.conftest import REPO
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     worker = cluster.add_node(num_cpus=1)
-    port, serve = _free_port(), tmp_path / "srv"
+    port, serve = free_port(), tmp_path / "srv"
     args = ["+sweep=smoke", "model=tiny", "hydra/launcher=ray", f"hydra.launcher.ray.init.address={cluster.address}",
             "hydra.launcher.ray.remote.num_cpus=1", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
             f"tracking.serve={serve}", "scheme/weights=fp32,bf16", "probe.latency.min_seconds=20"]
@@ -139,7 +131,7 @@ def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path):
         victim, deadline = None, time.time() + 300
         while victim is None and time.time() < deadline and proc.poll() is None:
             time.sleep(1)
-            if not tracking_server.answers(f"http://127.0.0.1:{port}"):  # the client would retry for minutes
+            if tracking_server.unreachable(f"http://127.0.0.1:{port}"):  # the client would retry for minutes
                 continue
             client = mlflow.MlflowClient(f"http://127.0.0.1:{port}")
             with contextlib.suppress(Exception):  # the server may be starting

@@ -18,7 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from quantlab import tracking
-from tests.conftest import run_cli
+from tests.conftest import free_port, run_cli
 
 pytestmark = pytest.mark.server
 
@@ -26,12 +26,6 @@ pytestmark = pytest.mark.server
 def _pg_bin(name: str) -> str | None:
     hits = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
     return hits[-1] if hits else shutil.which(name)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def postgres():
     root = Path(tempfile.mkdtemp(prefix="quantlab-pg-", dir="/tmp"))
     root.chmod(0o777)
     as_pg = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    data, port = root / "data", _free_port()
+    data, port = root / "data", free_port()
     subprocess.run([*as_pg, initdb, "-D", str(data), "-U", "postgres", "--auth=trust"], check=True,
                    capture_output=True)
     subprocess.run([*as_pg, pg_ctl, "-D", str(data), "-l", str(root / "pg.log"), "-w", "-o",
@@ -61,7 +55,7 @@ def postgres():
 @pytest.fixture(scope="module")
 def mlflow_server(postgres):
     backend, root = postgres
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend,
                              "--artifacts-destination", f"file://{root}/artifacts",
                              "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
@@ -98,7 +92,7 @@ def test_two_workers_against_postgres_server(mlflow_server):
 
 
 def test_unreachable_server_fails_before_any_work():
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     proc = run_cli(["+sweep=smoke", "model=tiny", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
                     "tracking.serve=null"], timeout=300)  # serve=null: never start one here
     assert proc.returncode == 2
@@ -111,7 +105,7 @@ def test_a_local_server_is_started_for_the_sweep_and_stopped_with_it(tmp_path):
     ``mlflow server`` (store and served artifacts under tracking.serve), the
     points log through it, the report lands in its artifact store, and the
     server is gone when the command returns."""
-    port = _free_port()
+    port = free_port()
     serve = tmp_path / "srv"
     proc = run_cli(["+sweep=smoke", "model=tiny", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
                     f"tracking.serve={serve}", "probe.latency.repeats=1"], timeout=600)
