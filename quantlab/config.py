@@ -229,12 +229,16 @@ class TrackingConfig:
     """Where runs go. ``uri`` is any MLflow tracking URI (sqlite file, server).
     ``serve``: where a server quantlab starts keeps its store, when ``uri`` is
     ``http://`` on this machine and nothing answers there
-    (:mod:`quantlab.tracking_server`); None: never start one."""
+    (:mod:`quantlab.tracking_server`); None: never start one.
+    ``serve_backend``: that server's database (``postgresql://user@host/db``
+    for many writers; the ``postgres`` extra installs the driver); None:
+    SQLite ``mlflow.db`` under ``serve``."""
 
     uri: str = "sqlite:///mlruns/mlflow.db"
     artifact_root: Optional[str] = "mlruns/artifacts"
     experiment: str = "quantlab"
     serve: Optional[str] = None
+    serve_backend: Optional[str] = None
 
 
 @dataclass
@@ -270,6 +274,8 @@ def validate(cfg: Any, path: str = "") -> None:
         _validate_load(cfg, path)
     if isinstance(cfg, TrackingConfig):
         _validate_driver(cfg.uri, f"{path}uri")
+        if cfg.serve_backend:
+            _validate_driver(cfg.serve_backend, f"{path}serve_backend")
     if isinstance(cfg, PerplexityProbeConfig) and not (cfg.adaptive_alpha < 1 and all(b < 1 for b in
                                                                                      cfg.adaptive_budgets)):
         raise ValueError(f"{path}adaptive_alpha={cfg.adaptive_alpha}, {path}adaptive_budgets={cfg.adaptive_budgets}: "
@@ -323,14 +329,18 @@ _DRIVERS = {"postgresql": ("psycopg2", "pip install 'quantlab[postgres]'"),
                                               "quantlab[postgres]")}
 
 
+def shown_uri(uri: str) -> str:
+    """A database URI as a message may show it: no credentials."""
+    return re.sub(r"//[^@/]*@", "//***@", uri)
+
+
 def _validate_driver(uri: str, name: str) -> None:
     """A database tracking URI whose driver is not installed is refused here,
     not as a ``ModuleNotFoundError`` when the first point opens the store."""
     dialect = uri.split("://", 1)[0] if "://" in uri else ""
     if dialect in _DRIVERS and importlib.util.find_spec(_DRIVERS[dialect][0]) is None:
         module, install = _DRIVERS[dialect]
-        shown = re.sub(r"//[^@/]*@", "//***@", uri)  # no password in a message
-        raise ValueError(f"{name}={shown}: needs the {module} driver, which is not installed ({install})")
+        raise ValueError(f"{name}={shown_uri(uri)}: needs the {module} driver, which is not installed ({install})")
 
 
 def choices(config_type: type, name: str) -> tuple[str, ...]:

@@ -113,7 +113,7 @@ def run_point(cfg: RunConfig) -> PointResult:
         check_choice("isolation", cfg.isolation, choices(RunConfig, "isolation"))
     except ValueError as e:
         raise UserError(str(e)) from None
-    client, exp_id = tracking.connect(cfg.tracking)
+    client, exp_id = tracking.connect(cfg.tracking, tracking.SERVER_WAIT_S)
     ident, as_dict = identify(cfg)
     name = ident.name
     parent = os.environ.get(PARENT_ENV)
@@ -140,7 +140,7 @@ def record_lost(cfg: RunConfig, reason: str) -> PointResult:
     fail, so nothing on that worker could log it): its RUNNING run under this
     sweep, or a new run when it never started one, ends FAILED with
     ``reason``. A rerun of the sweep redoes it (a failed run is never reused)."""
-    client, exp_id = tracking.connect(cfg.tracking)
+    client, exp_id = tracking.connect(cfg.tracking, tracking.SERVER_WAIT_S)
     ident, as_dict = identify(cfg)
     parent = os.environ.get(PARENT_ENV)
     run = tracking.find_running(client, exp_id, ident.hash, parent)
@@ -154,7 +154,7 @@ def record_lost(cfg: RunConfig, reason: str) -> PointResult:
 def _execute(cfg: RunConfig, run_id: str, name: str, client=None) -> PointResult:
     """Measure, log what was measured (also after a failure) and close the run,
     turning any exception into a FAILED run."""
-    client = client or tracking.connect(cfg.tracking)[0]
+    client = client or tracking.connect(cfg.tracking, tracking.SERVER_WAIT_S)[0]
     m = Measurement()
     try:
         outcome, reason = _measure(cfg, name, m)

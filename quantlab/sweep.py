@@ -61,7 +61,7 @@ class SweepCallback(Callback):
         parent = os.environ.pop(PARENT_ENV, None)
         if parent is None:
             return
-        client, exp_id = tracking.connect(_tracking_cfg(config))
+        client, exp_id = tracking.connect(_tracking_cfg(config), tracking.SERVER_WAIT_S)
         runs, reused = tracking.sweep_runs(client, exp_id, parent)
         _log_recovery(client, parent, runs, reused, config.get("recovery_baseline", "auto"))
         text = report.build(client, exp_id, parent)  # reads the runs again, recovery included

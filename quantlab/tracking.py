@@ -12,6 +12,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -26,8 +27,8 @@ from mlflow.utils.time import get_current_time_millis
 from quantlab import tracking_server
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
-from quantlab.point import (HASH_TAG, HOST_ID_TAG, HOST_TAG, OUTCOME_TAG, PARENT_TAG, PID_START_TAG, PID_TAG,
-                            REASON_TAG, REUSED_FROM_TAG, SWEEP_TAG, recommended_point_tag)
+from quantlab.point import (CREATE_KEY_TAG, HASH_TAG, HOST_ID_TAG, HOST_TAG, OUTCOME_TAG, PARENT_TAG, PID_START_TAG,
+                            PID_TAG, REASON_TAG, REUSED_FROM_TAG, SWEEP_TAG, recommended_point_tag)
 
 log = logging.getLogger("quantlab")
 T = TypeVar("T")
@@ -36,6 +37,11 @@ DONE = ("finished", "reused")  # outcomes whose metrics count
 ITEMS_ARTIFACT = "items.json"
 _BATCH = 100  # MLflow's log_batch limit on params per call
 _LOCKED = ("database is locked", "database table is locked")
+# How long a point (or the sweep's closing step) waits for a tracking server
+# that stopped answering: about MLflow's own retry budget for a request
+# (7 retries, backoff factor 2: ~4 minutes), so a server restarted within it
+# loses nothing. Checks before any work starts wait 0 s (one line, exit 2).
+SERVER_WAIT_S = 300.0
 
 
 def retry(fn: Callable[..., T]) -> Callable[..., T]:
@@ -60,10 +66,13 @@ def retry(fn: Callable[..., T]) -> Callable[..., T]:
 
 
 @retry
-def connect(cfg: TrackingConfig) -> tuple[MlflowClient, str]:
+def connect(cfg: TrackingConfig, wait_s: float = 0.0) -> tuple[MlflowClient, str]:
     """Client and experiment id; creates the local store/experiment if needed.
 
-    Fails with one line before any work starts when the store is unusable.
+    Fails with one line when the store is unusable; a tracking server that
+    does not answer is waited for up to ``wait_s`` seconds first (points pass
+    :data:`SERVER_WAIT_S`: a server restarted mid-sweep costs them a pause,
+    not the point).
     """
     uri = cfg.uri
     if uri.startswith("sqlite:///"):
@@ -73,7 +82,7 @@ def connect(cfg: TrackingConfig) -> tuple[MlflowClient, str]:
         except OSError as e:
             raise UserError(f"tracking store {uri}: cannot create {db.parent}: {e.strerror}") from e
     if uri.startswith(("http://", "https://")):
-        _check_server(uri)
+        _check_server(uri, wait_s)
     if uri.startswith("sqlite:///") and db.is_file():
         relocate_artifacts(db)
     client = MlflowClient(tracking_uri=uri)
@@ -123,11 +132,20 @@ def relocate_artifacts(db: Path) -> int:
     return moved
 
 
-def _check_server(uri: str, timeout: float = 5.0) -> None:
-    """One quick request, so an unreachable server fails in seconds rather than
-    after MLflow's retries with backoff (minutes)."""
-    if why := tracking_server.unreachable(uri, timeout):
-        raise UserError(f"tracking store {uri} unusable: server unreachable ({why})")
+def _check_server(uri: str, wait_s: float = 0.0, timeout: float = 5.0) -> None:
+    """Quick requests rather than MLflow's retries with backoff (minutes): an
+    unreachable server fails in seconds, or once ``wait_s`` has passed."""
+    deadline, warned = time.monotonic() + wait_s, False
+    while why := tracking_server.unreachable(uri, timeout):
+        if time.monotonic() >= deadline:
+            raise UserError(f"tracking store {uri} unusable: server unreachable ({why})"
+                            + (f" for {wait_s:.0f} s" if wait_s else ""))
+        if not warned:
+            log.warning("tracking server %s unreachable (%s): waiting up to %.0f s for it", uri, why, wait_s)
+            warned = True
+        time.sleep(2.0)
+    if warned:
+        log.warning("tracking server %s answers again", uri)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -146,13 +164,22 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
 def start_run(client: MlflowClient, experiment_id: str, name: str, tags: dict[str, str],
               parent_id: str | None = None, params: dict[str, str] | None = None) -> str:
     """Create a RUNNING run owned by this process (host/pid tags let a later
-    sweep recognise it as dead after a kill -9)."""
+    sweep recognise it as dead after a kill -9).
+
+    Exactly one run: MLflow's client retries a request whose answer was lost
+    (a tracking server restarted while it replied), and a retried create makes
+    a second run. The call's own key tag finds such twins; they are deleted."""
     me = psutil.Process()
+    key = uuid.uuid4().hex
     tags = {**tags, HOST_TAG: socket.gethostname(), PID_TAG: str(me.pid),
-            PID_START_TAG: f"{me.create_time():.3f}"}
+            PID_START_TAG: f"{me.create_time():.3f}", CREATE_KEY_TAG: key}
     if parent_id:
         tags[PARENT_TAG] = parent_id
     run = client.create_run(experiment_id, run_name=name, tags=tags)
+    for twin in client.search_runs([experiment_id], f"tags.`{CREATE_KEY_TAG}` = '{key}'", max_results=100):
+        if twin.info.run_id != run.info.run_id:
+            log.warning("run %s: a retried create made a twin %s; deleted", run.info.run_id, twin.info.run_id)
+            client.delete_run(twin.info.run_id)
     items = [Param(k, v) for k, v in (params or {}).items()]
     for i in range(0, len(items), _BATCH):
         client.log_batch(run.info.run_id, params=items[i:i + _BATCH])

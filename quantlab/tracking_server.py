@@ -8,12 +8,17 @@ log over HTTP. ``tracking.serve`` (default ``mlruns/server`` in the
 ``server`` preset) is where a server quantlab starts keeps its store
 (``mlflow.db``) and the artifacts it serves (``artifacts/``); the server runs
 for the command's lifetime in its own process group and is stopped with it.
+A server whose command was killed (kill -9 of the driver: nothing could stop
+it) is adopted by the next command that finds it at the same URI and store
+(``server.json`` there names it and its owner), and stopped with that one.
 A URI naming another host is never started, only checked
 (:func:`quantlab.tracking.connect`); ``tracking.serve=null`` never starts one.
 """
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -25,10 +30,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
-from quantlab.config import TrackingConfig
+import psutil
+
+from quantlab.config import TrackingConfig, shown_uri
 from quantlab.errors import UserError
 
+log = logging.getLogger("quantlab")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+OWNER_FILE = "server.json"  # under tracking.serve: the server quantlab started there, and its command
 
 
 def unreachable(uri: str, timeout_s: float = 2.0) -> str:
@@ -43,31 +52,48 @@ def unreachable(uri: str, timeout_s: float = 2.0) -> str:
     return ""
 
 
-def command(uri: str, root: Path) -> list[str]:
-    """``mlflow server`` for ``uri``'s host and port with its store under ``root``."""
+def command(uri: str, root: Path, backend: str | None = None) -> list[str]:
+    """``mlflow server`` for ``uri``'s host and port, its served artifacts
+    under ``root``, its runs in ``backend`` (a database URI; None: SQLite
+    ``root/mlflow.db``)."""
     u = urlparse(uri)
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend or f"sqlite:///{root / 'mlflow.db'}",
             "--artifacts-destination", (root / "artifacts").as_uri(), "--serve-artifacts",
             "--host", u.hostname or "127.0.0.1", "--port", str(u.port or 80), "--workers", "1"]
 
 
 @contextlib.contextmanager
 def ensure(cfg: TrackingConfig, timeout_s: float = 120.0) -> Iterator[subprocess.Popen | None]:
-    """Within the block, ``cfg.uri`` answers: already (yields None), or from a
-    server started here under ``cfg.serve`` (yields its process, stopped on
-    leaving the block, also on an exception or ``sys.exit``). Raises
-    UserError in one line when the server exits or stays silent at start."""
+    """Within the block, ``cfg.uri`` answers: already (yields None; a server
+    a killed command started under ``cfg.serve`` is adopted and stopped on
+    leaving), or from a server started here under ``cfg.serve`` (yields its
+    process, stopped on leaving the block, also on an exception or
+    ``sys.exit``). Raises UserError in one line when the server exits or
+    stays silent at start."""
     u = urlparse(cfg.uri)
-    if not cfg.serve or u.scheme != "http" or u.hostname not in LOCAL_HOSTS or not unreachable(cfg.uri):
+    if not cfg.serve or u.scheme != "http" or u.hostname not in LOCAL_HOSTS:
         yield None
         return
     root = Path(cfg.serve).expanduser().resolve()
+    if not unreachable(cfg.uri):
+        left = orphan(root, cfg.uri)
+        if left is not None:
+            print(f"quantlab: adopting the tracking server at {cfg.uri} (pid {left.pid}) that a killed quantlab "
+                  "command started; it stops with this one", file=sys.stderr, flush=True)
+            _own(root, cfg.uri, left)
+        try:
+            yield None
+        finally:
+            if left is not None:
+                stop(left.pid)
+        return
     root.mkdir(parents=True, exist_ok=True)
     logfile = root / "server.log"
     with open(logfile, "ab") as out:
-        proc = subprocess.Popen(command(cfg.uri, root), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(command(cfg.uri, root, cfg.serve_backend), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
+        _own(root, cfg.uri, psutil.Process(proc.pid))
         deadline = time.monotonic() + timeout_s
         while unreachable(cfg.uri):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -76,23 +102,55 @@ def ensure(cfg: TrackingConfig, timeout_s: float = 120.0) -> Iterator[subprocess
                     else f"did not answer within {timeout_s:.0f} s"
                 raise UserError(f"tracking server at {cfg.uri} (started here, store {root}) {why}: {tail}")
             time.sleep(0.5)
-        print(f"quantlab: started an MLflow tracking server at {cfg.uri} (store {root}, log {logfile}); it stops "
-              f"with this command. Browse later: mlflow ui --backend-store-uri sqlite:///{root / 'mlflow.db'}",
-              file=sys.stderr, flush=True)
+        store = cfg.serve_backend or f"sqlite:///{root / 'mlflow.db'}"
+        print(f"quantlab: started an MLflow tracking server at {cfg.uri} (runs in {shown_uri(store)}, artifacts and log "
+              f"under {root}); it stops with this command. Browse later: mlflow ui --backend-store-uri "
+              f"{shown_uri(store)}", file=sys.stderr, flush=True)
         yield proc
     finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """Stop the server and its workers (its whole process group)."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc.pid)
         proc.wait()
+        (root / OWNER_FILE).unlink(missing_ok=True)
+
+
+def _own(root: Path, uri: str, server: psutil.Process) -> None:
+    """Record ``server`` (at ``uri``) as started for this process."""
+    me = psutil.Process()
+    (root / OWNER_FILE).write_text(json.dumps({
+        "uri": uri, "pid": server.pid, "start": server.create_time(), "owner": me.pid, "owner_start": me.create_time()}))
+
+
+def _same(pid: int, start: float) -> psutil.Process | None:
+    """The process ``pid`` if it is still the one that started at ``start``."""
+    try:
+        proc = psutil.Process(pid)
+        return proc if abs(proc.create_time() - start) < 0.01 else None
+    except psutil.NoSuchProcess:
+        return None
+
+
+def orphan(root: Path, uri: str) -> psutil.Process | None:
+    """The server quantlab started at ``uri`` under ``root`` whose command is
+    gone (killed before it could stop it), or None."""
+    try:
+        rec = json.loads((root / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if rec.get("uri") != uri or _same(rec["owner"], rec["owner_start"]) is not None:
+        return None
+    return _same(rec["pid"], rec["start"])
+
+
+def stop(pid: int, timeout_s: float = 30.0) -> None:
+    """Stop a server and its workers (its whole process group: the server
+    leads it)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+        try:
+            psutil.Process(pid).wait(timeout=timeout_s)
+            return
+        except psutil.NoSuchProcess:
+            return
+        except psutil.TimeoutExpired:
+            continue

@@ -1,9 +1,16 @@
 """Shared fixtures: Hydra-composed configs on the tiny model, temp MLflow stores."""
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -51,3 +58,70 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pg_bin(name: str) -> str | None:
+    hits = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return hits[-1] if hits else shutil.which(name)
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A PostgreSQL server on 127.0.0.1 for the module: yields
+    ``(database, root)``, ``database(name)`` creating a database and
+    returning its SQLAlchemy URI (one per test keeps stores apart)."""
+    initdb, pg_ctl = pg_bin("initdb"), pg_bin("pg_ctl")
+    if not (initdb and pg_ctl):
+        pytest.skip("PostgreSQL server binaries not installed")
+    pytest.importorskip("psycopg2")
+    root = Path(tempfile.mkdtemp(prefix="quantlab-pg-", dir="/tmp"))
+    root.chmod(0o777)
+    as_pg = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    data, port = root / "data", free_port()
+    subprocess.run([*as_pg, initdb, "-D", str(data), "-U", "postgres", "--auth=trust"], check=True,
+                   capture_output=True)
+    subprocess.run([*as_pg, pg_ctl, "-D", str(data), "-l", str(root / "pg.log"), "-w", "-o",
+                    f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"], check=True,
+                   capture_output=True)
+
+    def database(name: str) -> str:
+        subprocess.run([*as_pg, pg_bin("createdb") or "createdb", "-h", "127.0.0.1", "-p", str(port),
+                        "-U", "postgres", name], check=True, capture_output=True)
+        return f"postgresql+psycopg2://postgres@127.0.0.1:{port}/{name}"
+
+    try:
+        yield database, root
+    finally:
+        subprocess.run([*as_pg, pg_ctl, "-D", str(data), "-m", "fast", "stop"], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+class MlflowServer:
+    """``mlflow server`` on 127.0.0.1 that a test starts, crashes (SIGKILL to
+    its process group) and starts again on the same port and store."""
+
+    def __init__(self, backend: str, root: Path):
+        self.backend, self.root, self.port = backend, Path(root), free_port()
+        self.url, self.proc = f"http://127.0.0.1:{self.port}", None
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend, "--serve-artifacts",
+             "--artifacts-destination", (self.root / "artifacts").as_uri(), "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            stdout=subprocess.DEVNULL, stderr=open(self.root / "server.log", "a"), start_new_session=True)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"{self.url}/health", timeout=2).status == 200:
+                    return
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail("mlflow server did not come up: " + (self.root / "server.log").read_text()[-2000:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)

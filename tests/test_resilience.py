@@ -238,3 +238,42 @@ def test_a_moved_store_reads_its_artifacts_where_it_now_is(tmp_path):
     got = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
     assert "tiny" in open(got).read()
     assert tracking.relocate_artifacts(new / "mlflow.db") == 0  # once
+
+
+def test_a_create_retried_after_its_answer_was_lost_leaves_one_run(tmp_path, monkeypatch):
+    """MLflow's client retries a request whose answer was lost (a tracking
+    server restarted while it replied): the create ran twice on the server.
+    start_run deletes the twin its own key finds, so a point is one run."""
+    from quantlab.config import TrackingConfig
+
+    client, exp = tracking.connect(TrackingConfig(uri=f"sqlite:///{tmp_path}/m.db", artifact_root=None))
+    real = client.create_run
+
+    def created_twice(*args, **kwargs):
+        real(*args, **kwargs)  # processed by the server, its answer lost
+        return real(*args, **kwargs)  # the retry's answer
+
+    monkeypatch.setattr(client, "create_run", created_twice)
+    run_id = tracking.start_run(client, exp, "int8@cpu", {"k": "v"}, parent_id="p0")
+    (run,) = client.search_runs([exp])  # active runs only: the twin is deleted
+    assert run.info.run_id == run_id and run.data.tags["k"] == "v"
+    assert len(client.search_runs([exp], run_view_type=3)) == 2  # ViewType.ALL: the twin is there, deleted
+
+
+def test_a_point_waits_for_a_tracking_server_that_stopped_answering(monkeypatch):
+    """A server down when a point starts is waited for (SERVER_WAIT_S), not
+    the point's end; the checks before a sweep starts still fail at once."""
+    from quantlab import tracking_server
+    from quantlab.errors import UserError
+
+    answers = iter(["refused", "refused", ""])
+    monkeypatch.setattr(tracking_server, "unreachable", lambda uri, timeout: next(answers))
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    tracking._check_server("http://127.0.0.1:1", wait_s=60)  # answers at the third look
+    monkeypatch.setattr(tracking_server, "unreachable", lambda uri, timeout: "refused")
+    with pytest.raises(UserError, match=r"server unreachable \(refused\)$"):
+        tracking._check_server("http://127.0.0.1:1")
+    clock = iter(range(0, 10_000, 30))
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    with pytest.raises(UserError, match=r"server unreachable \(refused\) for 60 s"):
+        tracking._check_server("http://127.0.0.1:1", wait_s=60)

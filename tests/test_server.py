@@ -3,77 +3,26 @@ fed by a 2-worker joblib sweep. Marked ``server``; needs PostgreSQL's server
 binaries (.ci/run installs Debian's postgresql) and psycopg2."""
 from __future__ import annotations
 
-import glob
-import os
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from quantlab import tracking
-from tests.conftest import free_port, run_cli
+from quantlab.config import shown_uri
+from tests.conftest import MlflowServer, free_port, run_cli
 
 pytestmark = pytest.mark.server
 
 
-def _pg_bin(name: str) -> str | None:
-    hits = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    return hits[-1] if hits else shutil.which(name)
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if not (initdb and pg_ctl):
-        pytest.skip("PostgreSQL server binaries not installed")
-    pytest.importorskip("psycopg2")
-    root = Path(tempfile.mkdtemp(prefix="quantlab-pg-", dir="/tmp"))
-    root.chmod(0o777)
-    as_pg = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    data, port = root / "data", free_port()
-    subprocess.run([*as_pg, initdb, "-D", str(data), "-U", "postgres", "--auth=trust"], check=True,
-                   capture_output=True)
-    subprocess.run([*as_pg, pg_ctl, "-D", str(data), "-l", str(root / "pg.log"), "-w", "-o",
-                    f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"], check=True,
-                   capture_output=True)
-    try:
-        subprocess.run([*as_pg, _pg_bin("createdb") or "createdb", "-h", "127.0.0.1", "-p", str(port),
-                        "-U", "postgres", "mlflow"], check=True, capture_output=True)
-        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/mlflow", root
-    finally:
-        subprocess.run([*as_pg, pg_ctl, "-D", str(data), "-m", "fast", "stop"], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(postgres):
-    backend, root = postgres
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend,
-                             "--artifacts-destination", f"file://{root}/artifacts",
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
-                break
-        except OSError:
-            time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail("mlflow server did not come up: " + (root / "server.log").read_text()[-2000:])
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    database, root = postgres
+    server = MlflowServer(database("mlflow"), root / "server")
+    server.start()
+    yield server.url
+    server.stop()
 
 
 def test_two_workers_against_postgres_server(mlflow_server):
@@ -100,25 +49,34 @@ def test_unreachable_server_fails_before_any_work():
     assert "loading model" not in proc.stdout
 
 
-def test_a_local_server_is_started_for_the_sweep_and_stopped_with_it(tmp_path):
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_local_server_is_started_for_the_sweep_and_stopped_with_it(tmp_path, request, backend):
     """tracking=server on this machine with nothing there: quantlab starts
-    ``mlflow server`` (store and served artifacts under tracking.serve), the
-    points log through it, the report lands in its artifact store, and the
-    server is gone when the command returns."""
+    ``mlflow server`` (its runs in SQLite under tracking.serve, or in the
+    PostgreSQL database tracking.serve_backend names; served artifacts under
+    tracking.serve), the points log through it, the report lands in its
+    artifact store, and the server is gone when the command returns."""
     port = free_port()
     serve = tmp_path / "srv"
+    db = f"sqlite:///{serve}/mlflow.db"
+    extra = []
+    if backend == "postgresql":
+        db = request.getfixturevalue("postgres")[0]("autostarted")
+        extra = [f"tracking.serve_backend={db}"]
     proc = run_cli(["+sweep=smoke", "model=tiny", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
-                    f"tracking.serve={serve}", "probe.latency.repeats=1"], timeout=600)
+                    f"tracking.serve={serve}", "probe.latency.repeats=1", *extra], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"started an MLflow tracking server at http://127.0.0.1:{port}" in proc.stderr
+    assert f"started an MLflow tracking server at http://127.0.0.1:{port} (runs in {shown_uri(db)}" in proc.stderr
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-    client = MlflowClient(f"sqlite:///{serve}/mlflow.db")
+    assert not (serve / "server.json").exists()
+    client = MlflowClient(db)
     runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
     children = sorted(r.info.run_name for r in runs if tracking.PARENT_TAG in r.data.tags)
     assert children == ["bf16@cpu", "fp16@cpu", "fp32@cpu"] and all(r.info.status == "FINISHED" for r in runs)
     assert runs[0].info.artifact_uri.startswith("mlflow-artifacts:")  # served, not a path on the worker
     assert len(list((serve / "artifacts").rglob("report.md"))) == 1 and len(list(serve.rglob("config.yaml"))) == 3
+    assert (serve / "mlflow.db").exists() == (backend == "sqlite")
 
 
 def test_a_server_that_cannot_start_is_one_line_and_nothing_runs(tmp_path):
