@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -115,19 +116,34 @@ def preflight(argv: list[str]) -> TrackingConfig:
     return tracking
 
 
+FILE_STORES = ("sqlite:", "file:", "/", ".")
+
+
 def check_launcher(argv: list[str], tracking_uri: str) -> None:
     """``hydra/launcher=ray``: the plugin must be installed, and points on a
     cluster (``hydra.launcher.ray.init.address`` set) cannot share a file
-    store: each node would write its own. Raises UserError in one line."""
+    store: each node would write its own. ``hydra/launcher=slurm``: the
+    plugin and SLURM's ``sbatch`` must be there, and the store a server (the
+    jobs run on other nodes). Raises UserError in one line."""
     given = dict(a.lstrip("+~").split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
-    if given.get("hydra/launcher") != "ray":
+    launcher = given.get("hydra/launcher")
+    if launcher == "slurm":
+        if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+            raise UserError("hydra/launcher=slurm needs the submitit launcher: pip install -e \".[slurm]\"")
+        if shutil.which("sbatch") is None:
+            raise UserError("hydra/launcher=slurm: sbatch not found on PATH (run from a SLURM login node)")
+        if tracking_uri.startswith(FILE_STORES):
+            raise UserError(f"hydra/launcher=slurm: jobs on other nodes cannot write the file store {tracking_uri}; "
+                            "log to a tracking server (tracking=server tracking.uri=http://head:5000)")
+        return
+    if launcher != "ray":
         return
     if importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None:
         raise UserError("hydra/launcher=ray needs the Ray launcher: pip install -e \".[ray]\"")
     address = given.get("hydra.launcher.ray.init.address", "null")
     if address in ("null", "None", "", "local"):
         return
-    if tracking_uri.startswith(("sqlite:", "file:", "/", ".")):
+    if tracking_uri.startswith(FILE_STORES):
         raise UserError(f"hydra/launcher=ray at {address}: points on other nodes cannot write the file store "
                         f"{tracking_uri}; log to a tracking server (tracking=server tracking.uri=http://head:5000)")
     if why := _unreachable(address):

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -96,8 +97,11 @@ def _from_gguf(path: Path, cache_dir: str, dtype):
     export copies its tokenizer block from there)."""
     cached = _gguf_cache_dir(path, cache_dir)
     if not (cached / "config.json").is_file():
-        log.info("converting %s to a safetensors cache at %s (once)", path.name, cached)
-        _convert_gguf(path, cached)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(cached.with_name(f".{cached.name}.lock")):  # points (nodes) sharing the cache convert once
+            if not (cached / "config.json").is_file():
+                log.info("converting %s to a safetensors cache at %s (once)", path.name, cached)
+                _convert_gguf(path, cached)
     model, tok = _from_pretrained(str(cached), dtype)
     model.quantlab_gguf = path
     return model, tok

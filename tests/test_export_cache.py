@@ -26,7 +26,30 @@ def test_an_entry_is_written_once_then_reused_with_its_info(tmp_path):
     assert (reused, info) == (False, "fmt") and sorted(p.name for p in path.iterdir()) == ["a.bin", "b.json"]
     again = cache.cached(tmp_path, "k1", "", _dir_writer(calls), "checkpoint")
     assert again == (path, True, "fmt") and len(calls) == 1
-    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary left
+    assert not any(".tmp" in p.name for p in tmp_path.iterdir())  # no temporary left
+
+
+def test_writers_racing_for_one_key_export_it_once(tmp_path):
+    """Points on nodes sharing the cache directory miss together: one writes,
+    the others wait on its lock and reuse the entry (never a half-written
+    directory, never a rename onto another writer's entry)."""
+    import threading
+    import time
+
+    calls, results = [], []
+
+    def slow(tmp):
+        time.sleep(0.3)
+        return _dir_writer(calls)(tmp)
+
+    threads = [threading.Thread(target=lambda: results.append(cache.cached(tmp_path, "k", "", slow, "checkpoint")))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(results) == 3
+    assert sorted(r[1] for r in results) == [False, True, True] and len({r[0] for r in results}) == 1
 
 
 def test_a_changed_file_is_refused_in_one_line(tmp_path):

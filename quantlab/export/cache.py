@@ -6,18 +6,23 @@ entry and what the writer returned. The key is a sha256 over every tensor the
 point holds (:func:`content_key`), so an unchanged point is not re-exported.
 An entry whose files no longer match its stamp is refused in one line (never
 served silently); an entry without a stamp (a writer that died) is rewritten.
-Writes go to a temporary name first and are renamed into place, so a crash
-never leaves a half-written entry under the real name.
+Writes go to a temporary name of their own first and are renamed into place,
+so a crash never leaves a half-written entry under the real name; writers of
+one key hold a lock file beside it (``filelock``: ``flock``, which Linux NFS
+clients honour), so nodes sharing the cache directory export a point once
+and the others reuse it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from filelock import FileLock
 
 from quantlab.digest import sha256_file
 from quantlab.errors import UserError
@@ -46,22 +51,29 @@ def cached(root: str | Path, key: str, suffix: str, write: Callable[[Path], Any]
     root = Path(root).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     path, stamp = root / f"{key}{suffix}", root / f"{key}.json"
-    if path.exists() and stamp.is_file():
-        kept = json.loads(stamp.read_text())
-        if _digests(path) != kept["sha256"]:
-            raise UserError(f"{what} cache entry {path} is corrupt (sha256 differs from {stamp.name}); "
-                            "delete both to re-export")
-        return path, True, kept.get("info")
-    tmp = root / f".{key}.tmp{suffix}"
-    _remove(tmp)
-    try:
-        info = write(tmp)
-        _remove(path)
-        tmp.replace(path)
-    finally:
-        _remove(tmp)  # a writer that failed leaves nothing behind
-    stamp.write_text(json.dumps({"sha256": _digests(path), "info": info}))
+    with FileLock(root / f".{key}.lock"):
+        if path.exists() and stamp.is_file():
+            kept = json.loads(stamp.read_text())
+            if _digests(path) != kept["sha256"]:
+                raise UserError(f"{what} cache entry {path} is corrupt (sha256 differs from {stamp.name}); "
+                                "delete both to re-export")
+            return path, True, kept.get("info")
+        tmp = root / f".{key}.{uuid.uuid4().hex[:12]}.tmp{suffix}"
+        try:
+            info = write(tmp)
+            _remove(path)  # a writer that died before its stamp left it
+            tmp.replace(path)
+        finally:
+            _remove(tmp)  # a writer that failed leaves nothing behind
+        write_atomic(stamp, json.dumps({"sha256": _digests(path), "info": info}))
     return path, False, info
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or not at all, for any reader at any time."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _remove(path: Path) -> None:

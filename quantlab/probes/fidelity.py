@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
+import uuid
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
+from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
 from quantlab.divergence import kl_per_token
@@ -123,18 +124,22 @@ def cached(kind: str, key: dict, ids: torch.Tensor, cache_dir: str,
     """A tensor computed from the reference model, cached on disk under
     ``<cache_dir>/<kind>/`` by ``key`` and the token ids (written atomically:
     a rename, so concurrent points never read half a file); ``compute`` only
-    runs on a miss."""
+    runs on a miss, once for all the points (and nodes, on a shared
+    ``cache_dir``) that miss together: they wait on a lock file beside it."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
     digest.update(ids.numpy().tobytes())
     path = Path(cache_dir).expanduser() / kind / f"{digest.hexdigest()[:24]}.safetensors"
     if path.is_file():  # one tensor a file (files written before this change name it "logp")
         return next(iter(load_file(path).values()))
-    log.info("computing the reference model's %s (cached at %s)", kind, path)
-    value = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    save_file({"value": value.contiguous()}, tmp)
-    tmp.replace(path)
+    with FileLock(path.with_suffix(".lock")):
+        if path.is_file():  # another point computed it while this one waited
+            return next(iter(load_file(path).values()))
+        log.info("computing the reference model's %s (cached at %s)", kind, path)
+        value = compute()
+        tmp = path.with_suffix(f".{uuid.uuid4().hex[:12]}.tmp")
+        save_file({"value": value.contiguous()}, tmp)
+        tmp.replace(path)
     return value
 
 
