@@ -33,7 +33,7 @@ from pathlib import Path
 from quantlab import tracking, tracking_server
 from quantlab.config import TrackingConfig
 
-PARAMS, TAGS, METRICS = 60, 30, 150  # about a smoke point's on model=tiny (see the results file)
+PARAMS, TAGS, METRICS = 100, 36, 150  # a smoke point on model=tiny: 99 params, 41 tags (5 from start_run), 85 metrics
 WRITES = PARAMS + TAGS + 5 + METRICS + 1  # start_run adds 5 tags (host, pid, ...), end the outcome
 CONFIG_BYTES, ITEMS = 2_000, 2_000  # config.yaml, and per-item values (items.json)
 
