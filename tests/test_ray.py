@@ -166,15 +166,19 @@ def _on_node(run, raylet_pid: int) -> bool:
 
 
 @needs_ray
-def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path, two_nodes):
-    """Two points (one a node) logging to a tracking server quantlab starts:
+@pytest.mark.server
+def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path, postgres, two_nodes):
+    """Two points (one a node) logging to a tracking server quantlab starts
+    (on PostgreSQL):
     the worker node is killed while it runs its point. That point ends FAILED
     "node or worker lost", the others FINISHED once, the parent run ends, exit
     1; the same command again (the head alone) finishes the lost point and
     reuses the rest."""
     worker = next(iter(two_nodes.worker_nodes))
     uri, serve, log = f"http://127.0.0.1:{free_port()}", tmp_path / "srv", tmp_path / "sweep.log"
-    args = _on_cluster(two_nodes, uri, f"tracking.serve={serve}", "scheme/weights=fp32,bf16",
+    db = postgres[0]("lost_node")
+    args = _on_cluster(two_nodes, uri, f"tracking.serve={serve}", f"tracking.serve_backend={db}",
+                       "scheme/weights=fp32,bf16",
                        "probe.latency.min_seconds=20")
     proc = _launch(args, log)
     raylet = worker.all_processes["raylet"][0].process.pid
@@ -184,7 +188,7 @@ def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path, two_no
     two_nodes.remove_node(worker, allow_graceful=False)
     proc.wait(timeout=600)
     assert proc.returncode == 1, log.read_text()[-3000:]
-    client = mlflow.MlflowClient(f"sqlite:///{serve}/mlflow.db")
+    client = mlflow.MlflowClient(db)
     (parent,) = _parents(client)
     assert parent.info.status == "FAILED"  # ended, with a failed point
     kids = tracking.children(client, parent.info.experiment_id, parent.info.run_id)
@@ -242,14 +246,17 @@ def test_a_tracking_server_restarted_mid_sweep_loses_and_duplicates_nothing(tmp_
 
 
 @needs_ray
-def test_a_killed_driver_is_resumed_by_the_rerun(tmp_path, two_nodes):
+@pytest.mark.server
+def test_a_killed_driver_is_resumed_by_the_rerun(tmp_path, postgres, two_nodes):
     """kill -9 of ``python -m quantlab`` while its points run on a cluster,
-    logging to a tracking server it started: Ray ends the dead driver's
+    logging to a tracking server it started (on PostgreSQL): Ray ends the dead driver's
     points, the server outlives its command. The same command again adopts
     and finally stops that server, marks the dead sweep's runs KILLED, reuses
     the points that had finished and redoes the others, exit 0."""
     uri, serve, log = f"http://127.0.0.1:{free_port()}", tmp_path / "srv", tmp_path / "sweep.log"
-    args = _on_cluster(two_nodes, uri, f"tracking.serve={serve}", "probe.latency.min_seconds=15")
+    db = postgres[0]("killed_driver")
+    args = _on_cluster(two_nodes, uri, f"tracking.serve={serve}", f"tracking.serve_backend={db}",
+                       "probe.latency.min_seconds=15")
     proc = _launch(args, log)
     runs = _wait_for(uri, proc, log, lambda runs: {"FINISHED", "RUNNING"} <= {r.info.status for r in runs})
     finished = sorted(r.info.run_name for r in runs if r.info.status == "FINISHED")
@@ -262,7 +269,7 @@ def test_a_killed_driver_is_resumed_by_the_rerun(tmp_path, two_nodes):
     again = run_cli(args, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "adopting the tracking server" in again.stderr and tracking_server.unreachable(uri)
-    client = mlflow.MlflowClient(f"sqlite:///{serve}/mlflow.db")
+    client = mlflow.MlflowClient(db)
     dead, parent = _parents(client)
     assert dead.info.status == "KILLED" and dead.data.tags[point.OUTCOME_TAG] == "killed"
     runs, reused = tracking.sweep_runs(client, parent.info.experiment_id, parent.info.run_id)
