@@ -117,13 +117,29 @@ class FidelityProbeConfig:
 @dataclass
 class AccuracyProbeConfig:
     """lm-eval tasks (``*_local`` read the data directory); ``limit`` documents
-    per task drawn with the run's seed, identical for every point."""
+    per task drawn with the run's seed, identical for every point.
+
+    ``adaptive``: score ``adaptive_chunk`` documents of each task a look, in
+    the order they were drawn, up to ``limit`` (the cap), and stop a task once
+    each of ``adaptive_budgets`` is decided for its 0/1 metrics against the
+    reference model at ``adaptive_alpha``
+    (:mod:`quantlab.probes.accuracy_adaptive`); only the multiple-choice
+    tasks of :data:`ADAPTIVE_TASKS`. Float points score the cap."""
 
     enabled: bool = False
     tasks: list[str] = field(default_factory=lambda: ["arc_easy_local"])
     limit: Optional[int] = field(default=100, metadata={"min": 1})
     batch_size: int = field(default=8, metadata={"min": 1})
     max_length: Optional[int] = field(default=2048, metadata={"min": 1})
+    adaptive: bool = False
+    adaptive_chunk: int = field(default=25, metadata={"min": 1})
+    adaptive_budgets: list[float] = field(default_factory=lambda: [0.01, 0.05], metadata={"above": 0})
+    adaptive_alpha: float = field(default=0.005, metadata={"above": 0})
+
+
+# tasks whose per-document metrics are 0/1 scores (adaptive accuracy needs them)
+ADAPTIVE_TASKS = ("arc_easy_local", "arc_challenge_local", "piqa_local", "hellaswag_local", "winogrande_local",
+                  "boolq_local")
 
 
 @dataclass
@@ -276,10 +292,14 @@ def validate(cfg: Any, path: str = "") -> None:
         _validate_driver(cfg.uri, f"{path}uri")
         if cfg.serve_backend:
             _validate_driver(cfg.serve_backend, f"{path}serve_backend")
-    if isinstance(cfg, PerplexityProbeConfig) and not (cfg.adaptive_alpha < 1 and all(b < 1 for b in
-                                                                                     cfg.adaptive_budgets)):
+    if isinstance(cfg, (PerplexityProbeConfig, AccuracyProbeConfig)) and not (
+            cfg.adaptive_alpha < 1 and all(b < 1 for b in cfg.adaptive_budgets)):
         raise ValueError(f"{path}adaptive_alpha={cfg.adaptive_alpha}, {path}adaptive_budgets={cfg.adaptive_budgets}: "
                          f"an error rate and relative losses, each below 1")
+    if isinstance(cfg, AccuracyProbeConfig) and cfg.adaptive and (
+            odd := [t for t in cfg.tasks if t not in ADAPTIVE_TASKS]):
+        raise ValueError(f"{path}adaptive=true: {', '.join(odd)} cannot be scored adaptively (its per-document "
+                         f"values are not 0/1 scores); adaptive tasks: {', '.join(ADAPTIVE_TASKS)}")
     if isinstance(cfg, LatencyProbeConfig) and cfg.max_repeats < cfg.repeats:
         raise ValueError(f"{path}max_repeats={cfg.max_repeats}: must be >= {path}repeats ({cfg.repeats})")
     for f in dataclasses.fields(cfg):

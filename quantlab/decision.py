@@ -32,7 +32,7 @@ LOWER_IS_BETTER = ("ppl_token_wikitext2_w", "perplexity/", "word_perplexity/", "
 TOKEN_ITEMS = ("ppl_token_wikitext2_w",)  # per-item values are consecutive tokens, not documents
 KL = ("fid/kl", "kvfid/kl")
 # logged beside a metric, not metrics
-AUXILIARY = ("_windows", "_stderr", "_stderr_tokens", "_blocks", "_adaptive_cap", "_adaptive_chunk")
+AUXILIARY = ("_windows", "_documents", "_stderr", "_stderr_tokens", "_blocks", "_adaptive_cap", "_adaptive_chunk")
 
 
 @dataclass(frozen=True)
@@ -56,17 +56,32 @@ def base_metric(metric: str) -> str:
     return metric.removeprefix("recovery/")
 
 
-def compare(metric: str, items: dict, base_items: dict) -> Paired | None:
-    """Paired ``point - baseline`` on ``metric``'s items (token NLL for
-    perplexities, 0/1 for accuracies), or None when either run lacks them or
-    they were not measured on the same items."""
+def aligned(metric: str, items: dict, base_items: dict) -> tuple[list, list] | None:
+    """``metric``'s per-item values of the point and of the baseline on the
+    same items, in the point's order, or None when either run lacks them or
+    they were not measured on the same items. Documents are paired by id (an
+    adaptive point scored a prefix of its draw order); every document of the
+    point must be among the baseline's."""
     a, b = items.get(metric), base_items.get(metric)
-    if not a or not b or len(a) != len(b):
+    if not a or not b:
         return None
     task = metric.partition("/")[2]
-    if task and items.get(f"doc_ids/{task}") != base_items.get(f"doc_ids/{task}"):
+    ids, base_ids = items.get(f"doc_ids/{task}"), base_items.get(f"doc_ids/{task}")
+    if task and ids != base_ids:
+        by_id = dict(zip(base_ids or [], b))
+        if not ids or not all(i in by_id for i in ids):
+            return None
+        b = [by_id[i] for i in ids]
+    return (a, b) if len(a) == len(b) else None
+
+
+def compare(metric: str, items: dict, base_items: dict) -> Paired | None:
+    """Paired ``point - baseline`` on ``metric``'s items (token NLL for
+    perplexities, 0/1 for accuracies; see :func:`aligned`), or None."""
+    pair = aligned(metric, items, base_items)
+    if pair is None:
         return None
-    return paired(a, b, binary=metric.startswith(HIGHER_IS_BETTER), tokens=metric.startswith(TOKEN_ITEMS))
+    return paired(*pair, binary=metric.startswith(HIGHER_IS_BETTER), tokens=metric.startswith(TOKEN_ITEMS))
 
 
 def _clamp(f):
@@ -114,6 +129,8 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
     if metric.startswith(TOKEN_ITEMS) and (f"{metric}_adaptive_cap" in metrics
                                           or f"{metric}_adaptive_cap" in base_metrics):
         return _sequential(metric, metrics, items, base_metrics, base_items)
+    if metric.startswith(HIGHER_IS_BETTER) and f"{metric}_adaptive_cap" in metrics:
+        return _sequential_docs(metric, metrics, items, base_items, b)
     pair = compare(metric, items, base_items)
     if pair is not None and lower:  # mean per-item NLL difference = ln(PPL(point) / PPL(base))
         unit = f"{pair.units} blocks of tokens" if metric.startswith(TOKEN_ITEMS) else f"{pair.units} documents"
@@ -178,3 +195,30 @@ def _sequential(metric: str, metrics: dict, items: dict, base_metrics: dict, bas
     return Loss(max(0.0, est), Bound(est, _clamp(lambda al: relative(sequential.upper(al, looks, cap, look_upper))),
                                      f"anytime-valid over {len(looks)} looks of {chunk} windows (cap {cap}), "
                                      f"paired t on blocks of tokens"), True)
+
+
+def _sequential_docs(metric: str, metrics: dict, items: dict, base_items: dict, base_acc: float) -> Loss | None:
+    """The relative loss of an accuracy whose documents the point scored
+    adaptively (:mod:`quantlab.probes.accuracy_adaptive`): at each look of its
+    design, the documents scored so far (a prefix of its draw order) paired
+    by id with the baseline's, bounded by Tango's score bound at the look's
+    share of the error, the running least bound over the looks
+    (anytime-valid), divided by the baseline's accuracy (taken as known)."""
+    pair = aligned(metric, items, base_items)
+    if pair is None:
+        return None
+    a, b = pair
+    cap, chunk = int(metrics[f"{metric}_adaptive_cap"]), int(metrics[f"{metric}_adaptive_chunk"])
+    looks = [n for n in sequential.schedule(cap, chunk) if n <= len(a)]
+    if not looks:
+        return None
+
+    def look_upper(n: int, level: float) -> float:
+        lost = sum(1 for p, r in zip(a[:n], b[:n]) if r > 0.5 > p)
+        gained = sum(1 for p, r in zip(a[:n], b[:n]) if p > 0.5 > r)
+        return uncertainty.tango_upper(lost, gained, n, level)
+
+    est = (sum(b) - sum(a)) / len(a) / base_acc
+    return Loss(max(0.0, est), Bound(est, _clamp(lambda al: sequential.upper(al, looks, cap, look_upper) / base_acc),
+                                     f"anytime-valid over {len(looks)} looks of {chunk} documents (cap {cap}), "
+                                     f"paired Tango score"), True)

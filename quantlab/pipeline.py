@@ -37,8 +37,8 @@ from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
 from quantlab.measurement import Measurement
 from quantlab.export import formats
-from quantlab.probes import (accuracy, energy, fidelity, kv_capacity, latency, load, perplexity, roofline,
-                             size, stages)
+from quantlab.probes import (accuracy, accuracy_adaptive, energy, fidelity, kv_capacity, latency, load,
+                             perplexity, roofline, size, stages)
 from quantlab.probes import cache as cache_probe
 from quantlab.schemes.registry import ApplyContext, kv_handler
 
@@ -311,8 +311,17 @@ def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     acc = cfg.probe.accuracy
     if acc.enabled:
         with _optional_probe("accuracy", name, m):
-            log.info("[%s] lm-eval %s (limit %s)", name, ",".join(acc.tasks), acc.limit)
-            metrics, results, items = accuracy.evaluate(engine, tok, acc, cfg.data_dir, cfg.cache_dir, cfg.seed)
+            log.info("[%s] lm-eval %s (limit %s%s)", name, ",".join(acc.tasks), acc.limit,
+                     ", adaptive" if acc.adaptive else "")
+            if acc.adaptive:
+                metrics, results, items, stops = accuracy_adaptive.run(
+                    engine, tok, acc, cfg.data_dir, cfg.cache_dir, cfg.seed, _reference_key(cfg),
+                    lambda: _reference_engine(cfg), _baseline_candidate(cfg, m),
+                    lambda line: log.info("[%s] lm-eval: %s", name, line))
+                m.tags[point.ACC_STOP_TAG] = "; ".join(f"{t}: {why}" for t, why in stops.items())
+                log.info("[%s] lm-eval: %s", name, m.tags[point.ACC_STOP_TAG])
+            else:
+                metrics, results, items = accuracy.evaluate(engine, tok, acc, cfg.data_dir, cfg.cache_dir, cfg.seed)
             m.metrics.update(metrics)
             m.items.update(items)
             m.artifacts["lm_eval_results.json"] = json.dumps(results, indent=2, default=str)
@@ -328,8 +337,7 @@ def _adaptive_nll(cfg: RunConfig, name: str, engine, wins: torch.Tensor, metric:
     ppl = cfg.probe.perplexity
     ref = fidelity.cached("reference_nll", _reference_key(cfg), wins, cfg.cache_dir,
                           lambda: torch.from_numpy(perplexity.token_nll(_reference_engine(cfg), wins)))
-    weights = cfg.scheme.weights.short_name()
-    baseline = m.metrics.get("size/bits_per_weight", 0.0) >= 15.99 or cfg.recovery_baseline == weights
+    baseline = _baseline_candidate(cfg, m)
     st = perplexity.adaptive_nll(engine, wins, ref.numpy(), ppl.adaptive_chunk, ppl.adaptive_budgets,
                                  ppl.adaptive_alpha, baseline, lambda line: log.info("[%s] perplexity: %s", name, line))
     log.info("[%s] perplexity: %s", name, st.reason)
@@ -338,6 +346,14 @@ def _adaptive_nll(cfg: RunConfig, name: str, engine, wins: torch.Tensor, metric:
                           f"{metric}_adaptive_chunk": float(ppl.adaptive_chunk)})
     m.tags[point.PPL_STOP_TAG] = st.reason
     return st.nll
+
+
+def _baseline_candidate(cfg: RunConfig, m: Measurement) -> bool:
+    """A point the sweep may take as its baseline (float weights, or the
+    ``recovery_baseline`` scheme): adaptive probes score its cap, since every
+    other point is paired against its items."""
+    return m.metrics.get("size/bits_per_weight", 0.0) >= 15.99 or \
+        cfg.recovery_baseline == cfg.scheme.weights.short_name()
 
 
 def _reference_key(cfg: RunConfig) -> dict:

@@ -38,6 +38,7 @@ HOST_ID_TAG = "host.id"  # short hash of the host fingerprint
 HOST_FINGERPRINT_TAG = "host.fingerprint"
 HOST_CPU_TAG = "host.cpu"
 PPL_STOP_TAG = "probe.perplexity.stop"  # adaptive perplexity: why the point stopped scoring windows
+ACC_STOP_TAG = "probe.accuracy.stop"  # adaptive lm-eval: why each task stopped scoring documents
 EMULATED_TAG = "emulated"  # "true" when the latency is not the scheme's own kernels'
 
 

@@ -113,6 +113,11 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
     if stops:
         lines += ["", "Adaptive perplexity (windows scored until every budget was decided against the reference "
                   "model; such a point's bound is anytime-valid over its looks, see the decision rule):", *stops]
+    stops = [f"- {r.info.run_name}: {r.data.tags[point.ACC_STOP_TAG]}" for r in runs
+             if point.ACC_STOP_TAG in r.data.tags]
+    if stops:
+        lines += ["", "Adaptive lm-eval (each task's documents scored in their draw order until every budget was "
+                  "decided against the reference model; its bound is anytime-valid over its looks):", *stops]
     if any(r.data.tags.get(point.EMULATED_TAG) == "true" for r in runs):
         lines += ["", "emulated=true: no real low-precision kernel on this target; "
                   "latency is NOT that of the scheme (numerics and size are)."]

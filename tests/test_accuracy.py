@@ -290,3 +290,34 @@ def test_adaptive_perplexity_stops_a_clear_point_and_the_report_bounds_it_over_i
     assert len(list((tmp_path / "cache" / "reference_nll").glob("*.safetensors"))) == 1
     assert f"Decision rule: loss on `{ppl}`" in proc.stdout and "anytime-valid over" in proc.stdout
     assert "Adaptive perplexity" in proc.stdout and "int8@cpu: decided at" in proc.stdout
+
+
+@needs_data
+def test_adaptive_lm_eval_stops_a_clear_point_and_the_report_bounds_it_over_its_looks(tmp_path):
+    """fp32 (a baseline candidate) scores the cap of 200 documents; int8 on
+    the tiny model (the reference's answers, nearly all) stops at a look once
+    the (generous, for a test) budget is decided; the report bounds it over
+    its looks and says why each point stopped."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    proc = run_cli(["-m", "model=tiny", "scheme/weights=fp32,int8", "probe=smoke", "probe.cache.enabled=false",
+                    "probe.accuracy.enabled=true", "probe.accuracy.tasks=[arc_easy_local]", "probe.accuracy.limit=200",
+                    "probe.accuracy.adaptive=true", "probe.accuracy.adaptive_chunk=25",
+                    "probe.accuracy.adaptive_budgets=[0.5]", "probe.latency.repeats=1", "probe.latency.new_tokens=4",
+                    f"cache_dir={tmp_path}/cache", f"data_dir={SHARED_DATA}",
+                    f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    c = MlflowClient(uri)
+    runs = {r.info.run_name: r for r in c.search_runs([c.get_experiment_by_name("quantlab").experiment_id])}
+    acc = "acc/arc_easy_local"
+    fp32, int8 = runs["fp32@cpu"].data, runs["int8@cpu"].data
+    assert fp32.metrics[f"{acc}_documents"] == 200 and f"{acc}_adaptive_cap" not in fp32.metrics
+    assert fp32.tags["probe.accuracy.stop"] == "arc_easy_local: baseline candidate: scored the cap"
+    assert int8.metrics[f"{acc}_documents"] < 200 and int8.metrics[f"{acc}_adaptive_cap"] == 200
+    assert int8.tags["probe.accuracy.stop"].startswith("arc_easy_local: decided at")
+    items = tracking.load_items(c, runs["int8@cpu"].info.run_id)
+    assert len(items[acc]) == len(items["doc_ids/arc_easy_local"]) == int8.metrics[f"{acc}_documents"]
+    assert len(list((tmp_path / "cache" / "reference_docs").glob("*.json"))) == 1
+    assert "Adaptive lm-eval" in proc.stdout and "int8@cpu: arc_easy_local: decided at" in proc.stdout
+    assert "Decision rule: loss on `acc_norm/arc_easy_local`" in proc.stdout and "anytime-valid over" in proc.stdout

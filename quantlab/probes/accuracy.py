@@ -127,8 +127,15 @@ def sample_indices(n_docs: int, limit: int | None, seed: int, task: str) -> list
     """The same ``limit`` documents of ``task`` for every point (None: all)."""
     if limit is None or limit >= n_docs:
         return None
+    return sorted(sample_order(n_docs, limit, seed, task))
+
+
+def sample_order(n_docs: int, limit: int | None, seed: int, task: str) -> list[int]:
+    """:func:`sample_indices`' documents in the order they were drawn (every
+    document, in a seeded random order, when ``limit`` covers them all): any
+    prefix is a uniform random sample of the task (adaptive evaluation)."""
     rng = random.Random(f"{seed}:{task}")
-    return sorted(rng.sample(range(n_docs), limit))
+    return rng.sample(range(n_docs), min(limit or n_docs, n_docs))
 
 
 def evaluate(engine, tokenizer, cfg: AccuracyProbeConfig, data_dir: str | None,
@@ -137,9 +144,6 @@ def evaluate(engine, tokenizer, cfg: AccuracyProbeConfig, data_dir: str | None,
     (``acc/arc_easy_local`` and its ``acc_stderr/arc_easy_local``), lm-eval's
     per-task results (for the JSON artifact) and the per-document scores
     (``acc/arc_easy_local`` -> 0/1 per document, ``doc_ids/arc_easy_local``)."""
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
     from quantlab.probes.lm_adapter import EngineLM
 
     include, counts = prepare_tasks(list(cfg.tasks), data_dir, cache_dir)
@@ -150,14 +154,24 @@ def evaluate(engine, tokenizer, cfg: AccuracyProbeConfig, data_dir: str | None,
         limit = None
     else:  # hub tasks: lm-eval's own (first-N) limit; it cannot mix limit and samples
         samples, limit = {}, cfg.limit
-    res = simple_evaluate(model=lm, tasks=list(cfg.tasks), samples=samples or None, limit=limit,
-                          task_manager=TaskManager(include_path=str(include)), log_samples=True,
-                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                          fewshot_random_seed=seed, bootstrap_iters=0)
+    res = run_lm_eval(lm, list(cfg.tasks), include, seed, samples or None, limit)
     items = document_scores(res.get("samples", {}))
     metrics = flatten_results(res["results"])
     metrics.update(item_stderrs(items))
     return metrics, res["results"], items
+
+
+def run_lm_eval(lm, tasks: list[str], include: Path, seed: int, samples: dict[str, list[int]] | None,
+                limit: int | None = None) -> dict:
+    """lm-eval's ``simple_evaluate`` on ``lm`` (an :class:`EngineLM`), seeded,
+    its per-document samples logged, no bootstrap."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    return simple_evaluate(model=lm, tasks=tasks, samples=samples, limit=limit,
+                           task_manager=TaskManager(include_path=str(include)), log_samples=True,
+                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                           fewshot_random_seed=seed, bootstrap_iters=0)
 
 
 # lm-eval metrics whose per-document value is the document's log-likelihood

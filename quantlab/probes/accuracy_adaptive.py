@@ -1,0 +1,198 @@
+"""lm-eval documents scored until the decision is made (``probe.accuracy.adaptive``).
+
+Each task's ``limit`` documents (the cap, the fixed design's sample) are
+scored in the order they were drawn (:func:`quantlab.probes.accuracy.sample_order`),
+``adaptive_chunk`` documents a look, so the documents of any prefix are a
+uniform random sample of the task. After each look, every 0/1 metric of the
+task (``acc``, ``acc_norm``) is compared with the reference model's scores on
+the same documents: the relative loss ``1 - acc(point) / acc(reference)``
+(the reference's accuracy over the cap taken as known, as the report takes
+the baseline's) is bounded from both sides by Tango's score bound on the
+discordant documents, at the look's share of ``adaptive_alpha``
+(:mod:`quantlab.sequential`: Lan-DeMets Pocock-type spending, looks joined by
+the union bound, so the running bounds are anytime-valid). A task stops once
+each of ``adaptive_budgets`` is decided for each of its metrics, or at the cap.
+
+Only tasks whose per-document metrics are 0/1 scores are supported (the
+multiple-choice ``*_local`` tasks); LAMBADA's and WikiText's corpus-level
+perplexities are not means of per-document values.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+
+from filelock import FileLock
+
+from quantlab import sequential, uncertainty
+from quantlab.config import AccuracyProbeConfig
+from quantlab.digest import sha256_file
+from quantlab.probes import accuracy
+
+
+@dataclass
+class TaskStop:
+    """One task of an adaptive evaluation: documents scored (in look order) and why it stopped."""
+
+    docs: list[int] = field(default_factory=list)
+    scores: dict[str, list[float]] = field(default_factory=dict)  # metric -> 0/1 per document of ``docs``
+    reason: str = ""
+
+
+def loss_bounds(point: Sequence[float], ref: Sequence[float], ref_acc: float, level: float) -> tuple[float, float]:
+    """One-sided ``1 - level`` lower and upper bounds of the relative loss
+    ``(acc(ref) - acc(point)) / ref_acc`` from paired 0/1 scores (Tango's
+    score bound on the discordant documents, each side at ``level``)."""
+    lost = sum(1 for p, r in zip(point, ref, strict=True) if r > 0.5 > p)
+    gained = sum(1 for p, r in zip(point, ref, strict=True) if p > 0.5 > r)
+    n = len(point)
+    upper = uncertainty.tango_upper(lost, gained, n, level)
+    lower = -uncertainty.tango_upper(gained, lost, n, level)
+    return lower / ref_acc, upper / ref_acc
+
+
+def evaluate(run_docs: Callable[[dict[str, list[int]]], dict[str, dict[str, dict[int, float]]]],
+             orders: dict[str, list[int]], reference: dict[str, dict[str, dict[int, float]]], chunk: int,
+             budgets: Sequence[float], alpha: float, score_all: bool = False,
+             progress: Callable[[str], None] = lambda _: None) -> dict[str, TaskStop]:
+    """Score each task's ``orders[task]`` (the cap, in draw order) ``chunk``
+    documents a look until every budget is decided for every 0/1 metric
+    against ``reference[task][metric][doc]`` (the reference model's scores on
+    the cap), or the cap. ``run_docs({task: docs})`` scores documents:
+    ``{task: {metric: {doc: score}}}``. ``score_all``: score the cap whatever
+    the bounds say (the sweep's baseline candidates)."""
+    out = {t: TaskStop() for t in orders}
+    running = {t: {"lo": {}, "hi": {}, "before": 0, "looks": sequential.schedule(len(o), chunk), "k": 0}
+               for t, o in orders.items()}
+    while running:
+        want = {}
+        for t, st in running.items():
+            n = st["looks"][st["k"]]
+            want[t] = orders[t][st["before"]:n]
+        got = run_docs(want)
+        for t in list(running):
+            st, stop = running[t], out[t]
+            cap, n = len(orders[t]), st["looks"][st["k"]]
+            level = sequential.levels(alpha, st["looks"], cap)[st["k"]]
+            stop.docs += want[t]
+            for metric, per_doc in got[t].items():
+                stop.scores.setdefault(metric, []).extend(per_doc[d] for d in want[t])
+            decided = True
+            for metric, scores in stop.scores.items():
+                ref = reference[t][metric]
+                ref_acc = sum(ref[d] for d in orders[t]) / cap
+                if ref_acc <= 0:
+                    decided = False
+                    continue
+                lo, hi = loss_bounds(scores, [ref[d] for d in stop.docs], ref_acc, level)
+                st["lo"][metric] = max(st["lo"].get(metric, -float("inf")), lo)
+                st["hi"][metric] = min(st["hi"].get(metric, float("inf")), hi)
+                decided &= sequential.decided(st["lo"][metric], st["hi"][metric], budgets)
+                progress(f"{t} {metric} {n}/{cap} documents: loss against the reference in "
+                         f"[{st['lo'][metric]:.4f}, {st['hi'][metric]:.4f}] (level {level:.2g})")
+            st["before"], st["k"] = n, st["k"] + 1
+            if n >= cap:
+                stop.reason = "baseline candidate: scored the cap" if score_all else f"cap of {cap} documents reached"
+            elif decided and not score_all:
+                stop.reason = f"decided at {n} of {cap} documents"
+            else:
+                continue
+            del running[t]
+    return out
+
+
+def per_doc(samples: dict[str, list[dict]]) -> dict[str, dict[str, dict[int, float]]]:
+    """lm-eval's logged samples as ``{task: {metric: {doc_id: 0/1}}}`` for the
+    0/1 metrics (``acc``, ``acc_norm``, ``exact_match``)."""
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for task, rows in samples.items():
+        for metric in rows[0].get("metrics", []) if rows else []:
+            if metric in ("acc", "acc_norm", "exact_match"):
+                out.setdefault(task, {})[metric] = {int(r["doc_id"]): float(r[metric]) for r in rows}
+    return out
+
+
+def reference_scores(key: dict, orders: dict[str, list[int]], cache_dir: str,
+                     compute: Callable[[], dict[str, dict[str, dict[int, float]]]]) -> dict:
+    """The reference model's per-document scores on the cap, computed once
+    (``compute``) and cached under ``<cache_dir>/reference_docs/`` by ``key``
+    and the documents (a lock file makes points that miss together compute
+    it once)."""
+    digest = hashlib.sha256(json.dumps([key, orders], sort_keys=True).encode()).hexdigest()[:24]
+    path = Path(cache_dir).expanduser() / "reference_docs" / f"{digest}.json"
+
+    def load() -> dict:
+        raw = json.loads(path.read_text())
+        return {t: {m: {int(d): v for d, v in s.items()} for m, s in ms.items()} for t, ms in raw.items()}
+
+    if path.is_file():
+        return load()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(path.with_suffix(".lock")):
+        if path.is_file():
+            return load()
+        value = compute()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(value))
+        tmp.replace(path)
+    return value
+
+
+def orders_for(cfg: AccuracyProbeConfig, counts: dict[str, int], seed: int) -> dict[str, list[int]]:
+    """Each task's cap (``limit`` documents, all when None) in draw order."""
+    return {t: accuracy.sample_order(counts[t], cfg.limit, seed, t) for t in cfg.tasks}
+
+
+def as_items(stops: dict[str, TaskStop]) -> dict[str, list[float]]:
+    """Per-document values in look order (``acc/<task>``, ``doc_ids/<task>``), as the report pairs them."""
+    items: dict[str, list[float]] = {}
+    for t, st in stops.items():
+        for metric, scores in st.scores.items():
+            items[f"{metric}/{t}"] = scores
+        items[f"doc_ids/{t}"] = [float(d) for d in st.docs]
+    return items
+
+
+def run(engine, tok, cfg: AccuracyProbeConfig, data_dir: str | None, cache_dir: str, seed: int, ref_key: dict,
+        reference_engine: Callable[[], object], score_all: bool,
+        progress: Callable[[str], None] = lambda _: None) -> tuple[dict[str, float], dict, dict, dict[str, str]]:
+    """The adaptive accuracy probe on ``engine``: metrics (``acc/<task>`` over
+    the documents scored, their standard errors, ``acc/<task>_documents`` and,
+    unless ``score_all``, the design: ``_adaptive_cap`` / ``_adaptive_chunk``),
+    lm-eval's results per look, per-document items in look order, and why
+    each task stopped. ``reference_engine()`` builds the reference model on a
+    cache miss only."""
+    from quantlab.probes.lm_adapter import EngineLM
+
+    include, counts = accuracy.prepare_tasks(list(cfg.tasks), data_dir, cache_dir)
+    orders = orders_for(cfg, counts, seed)
+
+    def scorer(eng, looks: list):
+        lm = EngineLM(eng, tok, batch_size=cfg.batch_size, max_length=cfg.max_length)
+
+        def run_docs(want: dict[str, list[int]]) -> dict:
+            res = accuracy.run_lm_eval(lm, list(want), include, seed, {t: sorted(d) for t, d in want.items()})
+            looks.append(res["results"])
+            return per_doc(res.get("samples", {}))
+        return run_docs
+
+    data = {t: sha256_file(include / f"{accuracy.CONVERTERS[t][0]}.jsonl") for t in cfg.tasks}
+    key = {**ref_key, "data": data, "seed": seed, "lm_eval": version("lm-eval"), "max_length": cfg.max_length}
+    reference = reference_scores(key, orders, cache_dir, lambda: scorer(reference_engine(), [])(orders))
+    looks: list = []
+    stops = evaluate(scorer(engine, looks), orders, reference, cfg.adaptive_chunk, cfg.adaptive_budgets,
+                     cfg.adaptive_alpha, score_all, progress)
+    items = as_items(stops)
+    metrics = accuracy.item_stderrs(items)
+    for t, st in stops.items():
+        for metric, scores in st.scores.items():
+            metrics[f"{metric}/{t}"] = sum(scores) / len(scores)
+            metrics[f"{metric}/{t}_documents"] = float(len(scores))
+            if not score_all:  # a baseline candidate's design is fixed: the report bounds it as one
+                metrics[f"{metric}/{t}_adaptive_cap"] = float(len(orders[t]))
+                metrics[f"{metric}/{t}_adaptive_chunk"] = float(cfg.adaptive_chunk)
+    return metrics, {"looks": looks}, items, {t: st.reason for t, st in stops.items()}
