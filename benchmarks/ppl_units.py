@@ -1,0 +1,64 @@
+"""Which unit of a perplexity comparison is independent enough: the standard
+error of a point's paired per-token NLL difference against the baseline from
+blocks of up to 128 tokens (the report's) beside the one from whole windows
+(each window's mean difference a unit), on a sweep already in a store.
+
+A window that is harder for the point as a whole (a shift shared by its
+tokens) widens the window figure and not the block one: where the window se
+is clearly the larger, blocks are too narrow a unit and the windows must be.
+
+    python benchmarks/ppl_units.py --store /tmp/adaptive-eval-store --sweep eval-fixed
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+
+from quantlab import point, report, tracking
+from quantlab.config import TrackingConfig
+from quantlab.uncertainty import block_stderr, mean_stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", required=True, help="directory holding mlflow.db and artifacts/")
+    ap.add_argument("--sweep", required=True, help="the sweep's name (its newest parent run)")
+    args = ap.parse_args()
+    uri = f"sqlite:///{args.store}/mlflow.db"
+    client, exp = tracking.connect(TrackingConfig(uri=uri, artifact_root=f"{args.store}/artifacts"))
+    parent = point.find_sweep([(r.info.run_id, dict(r.data.tags)) for r in client.search_runs(
+        [exp], filter_string=f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'")], args.sweep)[0]
+    runs, reused = tracking.sweep_runs(client, exp, parent)
+    runs = [r for r in runs + reused if tracking.done(r)]
+    base = report.baseline_run(runs)
+    metric = report.decision_metric(runs)
+    if not metric.startswith("ppl_token_"):
+        raise SystemExit(f"sweep {args.sweep} has no token perplexity (decision metric {metric})")
+    windows = int(base.data.metrics[f"{metric}_windows"])
+    ref = np.asarray(tracking.load_items(client, tracking.origin(base))[metric])
+    per = ref.size // windows
+    print(f"{metric}: {windows} windows of {per} predicted tokens; baseline {base.info.run_name}")
+    print(f"{'point':22} {'ln PPL ratio':>12} {'se blocks':>10} {'se windows':>11} {'ratio':>6}")
+    ratios = []
+    for r in runs:
+        if r.info.run_id == base.info.run_id:
+            continue
+        nll = np.asarray(tracking.load_items(client, tracking.origin(r)).get(metric, []))
+        if nll.size != ref.size:
+            continue
+        d = nll - ref
+        se_b, blocks = block_stderr(d)
+        se_w = mean_stderr(d.reshape(windows, per).mean(axis=1))
+        ratios.append(se_w / se_b)
+        print(f"{r.info.run_name:22} {d.mean():12.5f} {se_b:10.5f} {se_w:11.5f} {se_w / se_b:6.2f}  "
+              f"({blocks} blocks)")
+    if ratios:
+        print(f"window se / block se: geometric mean {math.exp(np.mean(np.log(ratios))):.2f} over "
+              f"{len(ratios)} points (a ratio's own sampling spread with {windows} windows: about "
+              f"{1 / math.sqrt(2 * (windows - 1)):.0%})")
+
+
+if __name__ == "__main__":
+    main()
