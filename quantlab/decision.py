@@ -190,11 +190,21 @@ def _sequential(metric: str, metrics: dict, items: dict, base_metrics: dict, bas
     if not looks:
         return None
     pairs = {n: uncertainty.paired(a[:n * per_window], b[:n * per_window], tokens=True) for n in looks}
-    est = relative(pairs[looks[-1]].diff)
+    diff = pairs[looks[-1]].diff
     look_upper = lambda n, level: uncertainty.t_upper(pairs[n].diff, pairs[n].stderr, pairs[n].units, level)  # noqa: E731
-    return Loss(max(0.0, est), Bound(est, _clamp(lambda al: relative(sequential.upper(al, looks, cap, look_upper))),
-                                     f"anytime-valid over {len(looks)} looks of {chunk} windows (cap {cap}), "
-                                     f"paired t on blocks of tokens"), True)
+    return Loss(max(0.0, relative(diff)), Bound(
+        relative(diff), _clamp(lambda al: relative(sequential.upper(al, looks, cap, look_upper, diff))),
+        f"anytime-valid over {len(looks)} looks of {chunk} windows (cap {cap}), paired t on blocks of tokens"
+        + _crossed(looks, cap, look_upper, diff)), True)
+
+
+def _crossed(looks, cap: int, look_upper, estimate: float) -> str:
+    """A note where the looks' least bound fell below the final estimate at
+    the report's level (:func:`quantlab.sequential.upper` then takes the last look's)."""
+    alpha = uncertainty.ALPHA
+    if sequential.upper(alpha, looks, cap, look_upper) < estimate:
+        return "; an early look's bound fell below the final estimate: the last look's bound is used"
+    return ""
 
 
 def _sequential_docs(metric: str, metrics: dict, items: dict, base_items: dict, base_acc: float) -> Loss | None:
@@ -218,7 +228,8 @@ def _sequential_docs(metric: str, metrics: dict, items: dict, base_items: dict, 
         gained = sum(1 for p, r in zip(a[:n], b[:n]) if p > 0.5 > r)
         return uncertainty.tango_upper(lost, gained, n, level)
 
-    est = (sum(b) - sum(a)) / len(a) / base_acc
-    return Loss(max(0.0, est), Bound(est, _clamp(lambda al: sequential.upper(al, looks, cap, look_upper) / base_acc),
-                                     f"anytime-valid over {len(looks)} looks of {chunk} documents (cap {cap}), "
-                                     f"paired Tango score"), True)
+    diff = (sum(b) - sum(a)) / len(a)
+    return Loss(max(0.0, diff / base_acc), Bound(
+        diff / base_acc, _clamp(lambda al: sequential.upper(al, looks, cap, look_upper, diff) / base_acc),
+        f"anytime-valid over {len(looks)} looks of {chunk} documents (cap {cap}), paired Tango score"
+        + _crossed(looks, cap, look_upper, diff)), True)

@@ -57,10 +57,26 @@ def levels(alpha: float, looks: Sequence[int], cap: int) -> list[float]:
     return out
 
 
-def upper(alpha: float, looks: Sequence[int], cap: int, look_upper: Callable[[int, float], float]) -> float:
+def upper(alpha: float, looks: Sequence[int], cap: int, look_upper: Callable[[int, float], float],
+          estimate: float = -math.inf) -> float:
     """The anytime-valid ``1 - alpha`` upper bound after ``looks``: the least
-    of ``look_upper(n_k, level_k)`` over the looks taken."""
-    return min(look_upper(n, a) for n, a in zip(looks, levels(alpha, looks, cap)))
+    of ``look_upper(n_k, level_k)`` over the looks taken. Where that least
+    bound falls below ``estimate`` (the last look's estimate), the looks
+    disagree: an early prefix of the items said more than the whole does (an
+    event of probability at most ``alpha``, or items that drift); the last
+    look's own bound is returned instead. The union bound covers it too (it
+    fails only if some look's bound does), so the result stays valid at
+    ``1 - alpha`` and never sits below the estimate it is reported beside."""
+    bounds = [look_upper(n, a) for n, a in zip(looks, levels(alpha, looks, cap))]
+    return bounds[-1] if min(bounds) < estimate else min(bounds)
+
+
+def effective(run_lower: float, run_upper: float, lower: float, upper_: float, estimate: float) -> tuple[float, float]:
+    """The bounds a stopping rule decides on after a look: the running ones
+    (``run_lower``: the greatest lower bound so far, ``run_upper``: the least
+    upper), except where one excludes the look's ``estimate`` (the looks
+    disagree, see :func:`upper`): that side takes the look's own bound."""
+    return (lower if run_lower > estimate else run_lower), (upper_ if run_upper < estimate else run_upper)
 
 
 def decided(lower: float, upper_: float, budgets: Sequence[float]) -> bool:

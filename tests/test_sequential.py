@@ -124,3 +124,17 @@ def test_an_error_rate_or_budget_of_1_or_more_is_refused():
         validate(PerplexityProbeConfig(adaptive_alpha=1.5), "probe.perplexity.")
     with pytest.raises(ValueError, match=r"adaptive_budgets=\[0.01, 5.0\]"):
         validate(PerplexityProbeConfig(adaptive_budgets=[0.01, 5.0]), "probe.perplexity.")
+
+
+def test_a_least_bound_below_the_final_estimate_falls_back_to_the_last_look():
+    """Looks that disagree (an early prefix said far more than the whole: an
+    event of probability at most alpha, or drifting items) never leave a
+    bound below the estimate it is reported beside: the last look's own bound
+    is taken, which the union bound covers too."""
+    bounds = {10: -0.05, 20: 0.08}
+    look = lambda n, level: bounds[n]  # noqa: E731
+    assert sequential.upper(0.05, [10, 20], 20, look) == -0.05
+    assert sequential.upper(0.05, [10, 20], 20, look, estimate=0.03) == 0.08
+    assert sequential.upper(0.05, [10, 20], 20, look, estimate=-0.1) == -0.05
+    assert sequential.effective(-0.2, -0.05, -0.1, 0.08, 0.03) == (-0.2, 0.08)
+    assert sequential.effective(0.05, 0.3, -0.1, 0.4, 0.03) == (-0.1, 0.3)

@@ -88,12 +88,15 @@ def evaluate(run_docs: Callable[[dict[str, list[int]]], dict[str, dict[str, dict
                 if ref_acc <= 0:
                     decided = False
                     continue
-                lo, hi = loss_bounds(scores, [ref[d] for d in stop.docs], ref_acc, level)
+                paired_ref = [ref[d] for d in stop.docs]
+                lo, hi = loss_bounds(scores, paired_ref, ref_acc, level)
                 st["lo"][metric] = max(st["lo"].get(metric, -float("inf")), lo)
                 st["hi"][metric] = min(st["hi"].get(metric, float("inf")), hi)
-                decided &= sequential.decided(st["lo"][metric], st["hi"][metric], budgets)
+                est = (sum(paired_ref) - sum(scores)) / len(scores) / ref_acc
+                lo_e, hi_e = sequential.effective(st["lo"][metric], st["hi"][metric], lo, hi, est)
+                decided &= sequential.decided(lo_e, hi_e, budgets)
                 progress(f"{t} {metric} {n}/{cap} documents: loss against the reference in "
-                         f"[{st['lo'][metric]:.4f}, {st['hi'][metric]:.4f}] (level {level:.2g})")
+                         f"[{lo_e:.4f}, {hi_e:.4f}] (level {level:.2g})")
             st["before"], st["k"] = n, st["k"] + 1
             if n >= cap:
                 stop.reason = "baseline candidate: scored the cap" if score_all else f"cap of {cap} documents reached"

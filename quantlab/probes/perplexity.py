@@ -96,13 +96,16 @@ def adaptive_nll(engine, wins: torch.Tensor, ref_nll: np.ndarray, chunk: int, bu
     against their tokens)."""
     cap = len(wins)
     looks = sequential.schedule(cap, chunk)
-    parts, lo, hi, before = [], -math.inf, math.inf, 0
+    parts, run_lo, run_hi, before = [], -math.inf, math.inf, 0
     for n, level in zip(looks, sequential.levels(alpha, looks, cap)):
         parts.append(token_nll(engine, wins[before:n]))
         before = n
         nll = np.concatenate(parts)
-        d_lo, d_hi = sequential.mean_bounds((nll - ref_nll[:n]).ravel(), level)
-        lo, hi = max(lo, decision.relative(d_lo)), min(hi, decision.relative(d_hi))
+        diffs = (nll - ref_nll[:n]).ravel()
+        d_lo, d_hi = sequential.mean_bounds(diffs, level)
+        run_lo, run_hi = max(run_lo, decision.relative(d_lo)), min(run_hi, decision.relative(d_hi))
+        lo, hi = sequential.effective(run_lo, run_hi, decision.relative(d_lo), decision.relative(d_hi),
+                                      decision.relative(float(diffs.mean())))
         progress(f"{n}/{cap} windows: loss against the reference in [{lo:.4f}, {hi:.4f}] (level {level:.2g})")
         if n < cap and not score_all and sequential.decided(lo, hi, budgets):
             within = [f"{b:g}" for b in budgets if hi <= b]
