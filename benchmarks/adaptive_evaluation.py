@@ -91,13 +91,16 @@ def main() -> None:
     ap.add_argument("--tasks", default="arc_easy_local,piqa_local", help="lm-eval tasks ('' for none)")
     ap.add_argument("--limit", type=int, default=200, help="documents per task: the fixed design, the cap")
     ap.add_argument("--doc-chunk", type=int, default=25)
+    ap.add_argument("--report-only", action="store_true",
+                    help="read the two sweeps already in --store (no new runs): the decisions with today's code")
     args = ap.parse_args()
     if not os.environ.get("QUANTLAB_DATA_DIR"):
         sys.exit("set QUANTLAB_DATA_DIR (WikiText-2 and the tasks are read from there)")
     tasks = [t for t in args.tasks.split(",") if t]
     store = Path(args.store or tempfile.mkdtemp(prefix="quantlab-adaptive-"))
     uri, root = f"sqlite:///{store}/mlflow.db", str(store / "artifacts")
-    secs = {d: sweep(f"eval-{d}", args, uri, root, d == "adaptive") for d in ("fixed", "adaptive")}
+    secs = {d: 0.0 if args.report_only else sweep(f"eval-{d}", args, uri, root, d == "adaptive")
+            for d in ("fixed", "adaptive")}
     client, exp = tracking.connect(TrackingConfig(uri=uri, artifact_root=root, experiment="quantlab"))
     res = {d: summary(client, exp, f"eval-{d}", tasks) for d in ("fixed", "adaptive")}
     print(f"cap {args.cap} windows of {args.window} tokens, chunk {args.chunk}; {args.limit} documents of "
