@@ -17,14 +17,14 @@ def test_gguf_converts_once_and_matches_direct_load(tmp_path):
 
     path = models.smollm2_gguf_path()
     model, tok = models.load(ModelConfig(name="smollm2-135m", source="smollm2"), str(tmp_path))
-    cached = list((tmp_path / "models").iterdir())
+    cached = [p for p in (tmp_path / "models").iterdir() if p.is_dir()]  # beside it: the conversion's lock file
     assert len(cached) == 1 and (cached[0] / "model.safetensors").is_file()
     direct = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     ids = tok("The lighthouse keeper climbed the stairs", return_tensors="pt")["input_ids"]
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, direct(ids).logits)
     models.load(ModelConfig(name="smollm2-135m", source="smollm2"), str(tmp_path))
-    assert list((tmp_path / "models").iterdir()) == cached  # reused, not reconverted
+    assert [p for p in (tmp_path / "models").iterdir() if p.is_dir()] == cached  # reused, not reconverted
 
 
 def test_smoke_sweep_on_smollm2(tmp_path):
