@@ -93,7 +93,13 @@ def connect(cfg: TrackingConfig, wait_s: float = 0.0) -> tuple[MlflowClient, str
         artifacts = None
         if cfg.artifact_root:
             artifacts = Path(cfg.artifact_root).expanduser().resolve().as_uri()
-        return client, client.create_experiment(cfg.experiment, artifact_location=artifacts)
+        try:
+            return client, client.create_experiment(cfg.experiment, artifact_location=artifacts)
+        except mlflow.exceptions.MlflowException as e:  # two sweeps (or points) on a new store created it at once
+            if e.error_code != "RESOURCE_ALREADY_EXISTS" or (exp := client.get_experiment_by_name(
+                    cfg.experiment)) is None:
+                raise
+            return client, exp.experiment_id
     except mlflow.exceptions.MlflowException as e:
         raise UserError(f"tracking store {uri} unusable: {str(e).splitlines()[0]}") from e
 

@@ -277,3 +277,22 @@ def test_a_point_waits_for_a_tracking_server_that_stopped_answering(monkeypatch)
     monkeypatch.setattr(time, "monotonic", lambda: next(clock))
     with pytest.raises(UserError, match=r"server unreachable \(refused\) for 60 s"):
         tracking._check_server("http://127.0.0.1:1", wait_s=60)
+
+
+def test_an_experiment_another_writer_created_meanwhile_is_used(tmp_path, monkeypatch):
+    """Two sweeps starting at once on a new store both find no experiment and
+    both create it: the loser's RESOURCE_ALREADY_EXISTS (a PostgreSQL unique
+    violation behind a server) means "use it", not "store unusable"."""
+    from quantlab.config import TrackingConfig
+
+    cfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/m.db", artifact_root=None)
+    _, first = tracking.connect(cfg)
+    real = MlflowClient.get_experiment_by_name
+    calls = []
+
+    def not_yet(self, name):  # the other writer's create lands between this look and our create
+        calls.append(name)
+        return None if len(calls) == 1 else real(self, name)
+
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", not_yet)
+    assert tracking.connect(cfg)[1] == first and len(calls) == 2
