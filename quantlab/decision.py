@@ -223,10 +223,8 @@ def _sequential_docs(metric: str, metrics: dict, items: dict, base_items: dict, 
     if not looks:
         return None
 
-    def look_upper(n: int, level: float) -> float:
-        lost = sum(1 for p, r in zip(a[:n], b[:n]) if r > 0.5 > p)
-        gained = sum(1 for p, r in zip(a[:n], b[:n]) if p > 0.5 > r)
-        return uncertainty.tango_upper(lost, gained, n, level)
+    pairs = {n: uncertainty.paired(a[:n], b[:n], binary=True) for n in looks}
+    look_upper = lambda n, level: uncertainty.tango_upper(pairs[n].lost, pairs[n].gained, n, level)  # noqa: E731
 
     diff = (sum(b) - sum(a)) / len(a)
     return Loss(max(0.0, diff / base_acc), Bound(

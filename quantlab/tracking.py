@@ -178,7 +178,7 @@ def start_run(client: MlflowClient, experiment_id: str, name: str, tags: dict[st
     me = psutil.Process()
     key = uuid.uuid4().hex
     tags = {**tags, HOST_TAG: socket.gethostname(), PID_TAG: str(me.pid),
-            PID_START_TAG: f"{me.create_time():.3f}", CREATE_KEY_TAG: key}
+            PID_START_TAG: tracking_server.process_stamp(me), CREATE_KEY_TAG: key}
     if parent_id:
         tags[PARENT_TAG] = parent_id
     run = client.create_run(experiment_id, run_name=name, tags=tags)
@@ -324,9 +324,8 @@ def _alive(tags: dict[str, str]) -> bool:
     if tags.get(HOST_TAG) != socket.gethostname() or PID_TAG not in tags:
         return True
     try:
-        proc = psutil.Process(int(tags[PID_TAG]))
-        return f"{proc.create_time():.3f}" == tags.get(PID_START_TAG)
-    except (psutil.NoSuchProcess, ValueError):
+        return tracking_server.same_process(int(tags[PID_TAG]), tags.get(PID_START_TAG, "")) is not None
+    except ValueError:
         return False
 
 

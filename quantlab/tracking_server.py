@@ -116,15 +116,21 @@ def ensure(cfg: TrackingConfig, timeout_s: float = 120.0) -> Iterator[subprocess
 def _own(root: Path, uri: str, server: psutil.Process) -> None:
     """Record ``server`` (at ``uri``) as started for this process."""
     me = psutil.Process()
-    (root / OWNER_FILE).write_text(json.dumps({
-        "uri": uri, "pid": server.pid, "start": server.create_time(), "owner": me.pid, "owner_start": me.create_time()}))
+    (root / OWNER_FILE).write_text(json.dumps({"uri": uri, "pid": server.pid, "start": process_stamp(server),
+                                               "owner": me.pid, "owner_start": process_stamp(me)}))
 
 
-def _same(pid: int, start: float) -> psutil.Process | None:
-    """The process ``pid`` if it is still the one that started at ``start``."""
+def process_stamp(proc: psutil.Process) -> str:
+    """A process's start time as quantlab records it (with its pid, it names
+    the process: a pid reused by a later process has another stamp)."""
+    return f"{proc.create_time():.3f}"
+
+
+def same_process(pid: int, stamp: str) -> psutil.Process | None:
+    """The process ``pid`` if it is still the one :func:`process_stamp` stamped ``stamp``."""
     try:
         proc = psutil.Process(pid)
-        return proc if abs(proc.create_time() - start) < 0.01 else None
+        return proc if process_stamp(proc) == stamp else None
     except psutil.NoSuchProcess:
         return None
 
@@ -136,9 +142,9 @@ def orphan(root: Path, uri: str) -> psutil.Process | None:
         rec = json.loads((root / OWNER_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if rec.get("uri") != uri or _same(rec["owner"], rec["owner_start"]) is not None:
+    if rec.get("uri") != uri or same_process(rec["owner"], rec["owner_start"]) is not None:
         return None
-    return _same(rec["pid"], rec["start"])
+    return same_process(rec["pid"], rec["start"])
 
 
 def stop(pid: int, timeout_s: float = 30.0) -> None:

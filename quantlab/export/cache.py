@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from filelock import FileLock
 
-from quantlab.digest import sha256_file
+from quantlab.digest import sha256_file, write_atomic
 from quantlab.errors import UserError
 
 
@@ -67,13 +67,6 @@ def cached(root: str | Path, key: str, suffix: str, write: Callable[[Path], Any]
             _remove(tmp)  # a writer that failed leaves nothing behind
         write_atomic(stamp, json.dumps({"sha256": _digests(path), "info": info}))
     return path, False, info
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """``path`` holds ``text`` whole or not at all, for any reader at any time."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _remove(path: Path) -> None:

@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 from quantlab.config import AccuracyProbeConfig
+from quantlab.digest import computed_once, write_atomic
 from quantlab.errors import UserError
 from quantlab.uncertainty import mean_stderr
 
@@ -109,17 +110,15 @@ def prepare_tasks(tasks: list[str], data_dir: str | None, cache_dir: str) -> tup
     counts = {}
     for t in local:
         name, convert = CONVERTERS[t]
-        path = out / f"{name}.jsonl"
-        if not path.is_file():
-            docs = convert(root)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
-            tmp.replace(path)
+        path = out / f"{name}.jsonl"  # points (nodes, on a shared cache_dir) preparing at once: written once
+        computed_once(path, lambda p: None, lambda: convert(root),
+                      lambda docs, tmp: tmp.write_text("".join(json.dumps(doc) + "\n" for doc in docs),
+                                                       encoding="utf-8"))
         counts[t] = sum(1 for _ in path.open(encoding="utf-8"))
         template = (TEMPLATES / f"{t}.yaml").read_text()
-        (out / f"{t}.yaml").write_text(template.replace("{prepared}", str(out)))
+        write_atomic(out / f"{t}.yaml", template.replace("{prepared}", str(out)))
         for helper in HELPERS.get(t, ()):  # task code the YAML names with !function
-            (out / helper).write_text((TEMPLATES / helper).read_text())
+            write_atomic(out / helper, (TEMPLATES / helper).read_text())
     return out, counts
 
 

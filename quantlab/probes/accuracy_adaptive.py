@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
-from filelock import FileLock
-
 from quantlab import sequential, uncertainty
 from quantlab.config import AccuracyProbeConfig
-from quantlab.digest import sha256_file
+from quantlab.digest import computed_once, sha256_file
 from quantlab.probes import accuracy
 
 
@@ -47,11 +45,9 @@ def loss_bounds(point: Sequence[float], ref: Sequence[float], ref_acc: float, le
     """One-sided ``1 - level`` lower and upper bounds of the relative loss
     ``(acc(ref) - acc(point)) / ref_acc`` from paired 0/1 scores (Tango's
     score bound on the discordant documents, each side at ``level``)."""
-    lost = sum(1 for p, r in zip(point, ref, strict=True) if r > 0.5 > p)
-    gained = sum(1 for p, r in zip(point, ref, strict=True) if p > 0.5 > r)
-    n = len(point)
-    upper = uncertainty.tango_upper(lost, gained, n, level)
-    lower = -uncertainty.tango_upper(gained, lost, n, level)
+    pair = uncertainty.paired(point, ref, binary=True)
+    upper = uncertainty.tango_upper(pair.lost, pair.gained, pair.n, level)
+    lower = -uncertainty.tango_upper(pair.gained, pair.lost, pair.n, level)
     return lower / ref_acc, upper / ref_acc
 
 
@@ -66,45 +62,44 @@ def evaluate(run_docs: Callable[[dict[str, list[int]]], dict[str, dict[str, dict
     ``{task: {metric: {doc: score}}}``. ``score_all``: score the cap whatever
     the bounds say (the sweep's baseline candidates)."""
     out = {t: TaskStop() for t in orders}
-    running = {t: {"lo": {}, "hi": {}, "before": 0, "looks": sequential.schedule(len(o), chunk), "k": 0}
-               for t, o in orders.items()}
-    while running:
-        want = {}
-        for t, st in running.items():
-            n = st["looks"][st["k"]]
-            want[t] = orders[t][st["before"]:n]
+    looks = {t: sequential.schedule(len(o), chunk) for t, o in orders.items()}
+    levels = {t: sequential.levels(alpha, looks[t], len(o)) for t, o in orders.items()}
+    ref_acc = {(t, m): sum(ref[d] for d in orders[t]) / len(orders[t])  # over the cap: taken as known
+               for t in orders for m, ref in reference[t].items()}
+    run_lo: dict[tuple[str, str], float] = {}
+    run_hi: dict[tuple[str, str], float] = {}
+    look = {t: 0 for t in orders}  # each running task's next look
+    while look:
+        want = {t: orders[t][len(out[t].docs):looks[t][k]] for t, k in look.items()}
         got = run_docs(want)
-        for t in list(running):
-            st, stop = running[t], out[t]
-            cap, n = len(orders[t]), st["looks"][st["k"]]
-            level = sequential.levels(alpha, st["looks"], cap)[st["k"]]
+        for t in list(look):
+            stop, cap, n, level = out[t], len(orders[t]), looks[t][look[t]], levels[t][look[t]]
             stop.docs += want[t]
             for metric, per_doc in got[t].items():
                 stop.scores.setdefault(metric, []).extend(per_doc[d] for d in want[t])
             decided = True
             for metric, scores in stop.scores.items():
-                ref = reference[t][metric]
-                ref_acc = sum(ref[d] for d in orders[t]) / cap
-                if ref_acc <= 0:
+                acc = ref_acc[t, metric]
+                if acc <= 0:
                     decided = False
                     continue
-                paired_ref = [ref[d] for d in stop.docs]
-                lo, hi = loss_bounds(scores, paired_ref, ref_acc, level)
-                st["lo"][metric] = max(st["lo"].get(metric, -float("inf")), lo)
-                st["hi"][metric] = min(st["hi"].get(metric, float("inf")), hi)
-                est = (sum(paired_ref) - sum(scores)) / len(scores) / ref_acc
-                lo_e, hi_e = sequential.effective(st["lo"][metric], st["hi"][metric], lo, hi, est)
+                paired_ref = [reference[t][metric][d] for d in stop.docs]
+                lo, hi = loss_bounds(scores, paired_ref, acc, level)
+                run_lo[t, metric] = max(run_lo.get((t, metric), -float("inf")), lo)
+                run_hi[t, metric] = min(run_hi.get((t, metric), float("inf")), hi)
+                est = (sum(paired_ref) - sum(scores)) / len(scores) / acc
+                lo_e, hi_e = sequential.effective(run_lo[t, metric], run_hi[t, metric], lo, hi, est)
                 decided &= sequential.decided(lo_e, hi_e, budgets)
                 progress(f"{t} {metric} {n}/{cap} documents: loss against the reference in "
                          f"[{lo_e:.4f}, {hi_e:.4f}] (level {level:.2g})")
-            st["before"], st["k"] = n, st["k"] + 1
+            look[t] += 1
             if n >= cap:
                 stop.reason = "baseline candidate: scored the cap" if score_all else f"cap of {cap} documents reached"
             elif decided and not score_all:
                 stop.reason = f"decided at {n} of {cap} documents"
             else:
                 continue
-            del running[t]
+            del look[t]
     return out
 
 
@@ -123,26 +118,15 @@ def reference_scores(key: dict, orders: dict[str, list[int]], cache_dir: str,
                      compute: Callable[[], dict[str, dict[str, dict[int, float]]]]) -> dict:
     """The reference model's per-document scores on the cap, computed once
     (``compute``) and cached under ``<cache_dir>/reference_docs/`` by ``key``
-    and the documents (a lock file makes points that miss together compute
-    it once)."""
+    and the documents (:func:`quantlab.digest.computed_once`)."""
     digest = hashlib.sha256(json.dumps([key, orders], sort_keys=True).encode()).hexdigest()[:24]
     path = Path(cache_dir).expanduser() / "reference_docs" / f"{digest}.json"
 
-    def load() -> dict:
-        raw = json.loads(path.read_text())
+    def load(p: Path) -> dict:
+        raw = json.loads(p.read_text())
         return {t: {m: {int(d): v for d, v in s.items()} for m, s in ms.items()} for t, ms in raw.items()}
 
-    if path.is_file():
-        return load()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(path.with_suffix(".lock")):
-        if path.is_file():
-            return load()
-        value = compute()
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(value))
-        tmp.replace(path)
-    return value
+    return computed_once(path, load, compute, lambda value, tmp: tmp.write_text(json.dumps(value)))
 
 
 def orders_for(cfg: AccuracyProbeConfig, counts: dict[str, int], seed: int) -> dict[str, list[int]]:

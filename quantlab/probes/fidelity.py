@@ -11,15 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import uuid
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
-from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
+from quantlab.digest import computed_once
 from quantlab.divergence import kl_per_token
 from quantlab.uncertainty import block_count, block_stderr, mean_stderr
 
@@ -129,18 +128,13 @@ def cached(kind: str, key: dict, ids: torch.Tensor, cache_dir: str,
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
     digest.update(ids.numpy().tobytes())
     path = Path(cache_dir).expanduser() / kind / f"{digest.hexdigest()[:24]}.safetensors"
-    if path.is_file():  # one tensor a file (files written before this change name it "logp")
-        return next(iter(load_file(path).values()))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(path.with_suffix(".lock")):
-        if path.is_file():  # another point computed it while this one waited
-            return next(iter(load_file(path).values()))
+
+    def compute_logged() -> torch.Tensor:
         log.info("computing the reference model's %s (cached at %s)", kind, path)
-        value = compute()
-        tmp = path.with_suffix(f".{uuid.uuid4().hex[:12]}.tmp")
-        save_file({"value": value.contiguous()}, tmp)
-        tmp.replace(path)
-    return value
+        return compute()
+
+    return computed_once(path, lambda p: next(iter(load_file(p).values())),  # files before: "logp", one tensor
+                         compute_logged, lambda value, tmp: save_file({"value": value.contiguous()}, tmp))
 
 
 def as_parity(metrics: dict[str, float]) -> dict[str, float]:
