@@ -1,7 +1,11 @@
 """What one sweep point measured: probes fill it, one step logs it."""
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
+
+TIME_PREFIX = "time/"  # time/<stage>_s: wall seconds a point spent in one stage
 
 
 @dataclass
@@ -19,3 +23,14 @@ class Measurement:
     # per-item values behind a metric (token NLLs, 0/1 document scores), logged
     # as items.json so that two points can be compared paired (quantlab.uncertainty)
     items: dict[str, list[float]] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def timed(self, stage: str):
+        """Adds the block's wall seconds to ``time/<stage>_s`` (also when it
+        raises: a failed point shows where its time went)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"{TIME_PREFIX}{stage}_s"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start

@@ -157,7 +157,8 @@ def _execute(cfg: RunConfig, run_id: str, name: str, client=None) -> PointResult
     client = client or tracking.connect(cfg.tracking, tracking.SERVER_WAIT_S)[0]
     m = Measurement()
     try:
-        outcome, reason = _measure(cfg, name, m)
+        with m.timed("point"):
+            outcome, reason = _measure(cfg, name, m)
     except (UserError, ValueError) as e:
         outcome, reason = "failed", _first_line(e) or type(e).__name__
         log.error("[%s] failed: %s", name, reason)
@@ -211,14 +212,17 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
         return "skipped", verdict.reason
     with target.session():
         log.info("[%s] loading model %s", name, cfg.model.name)
-        model, tok = models.load(cfg.model, cfg.cache_dir)
-        reference = _reference(cfg, name, tok, m)
+        with m.timed("model"):
+            model, tok = models.load(cfg.model, cfg.cache_dir)
+        with m.timed("reference"):
+            reference = _reference(cfg, name, tok, m)
         n_params = size.count_params(model)
         log.info("[%s] applying %s (%s)", name, weights.short_name(), verdict.status)
         ctx = ApplyContext(hw=target.hardware(), tokenizer=tok, cache_dir=cfg.cache_dir,
                            data_dir=cfg.data_dir, seed=cfg.seed)
-        applied_w = target.apply_weights(model, weights, ctx)
-        applied_kv = kv_handler(kv).apply(model, kv, ctx)
+        with m.timed("apply"):  # calibration included
+            applied_w = target.apply_weights(model, weights, ctx)
+            applied_kv = kv_handler(kv).apply(model, kv, ctx)
         m.tags.update({"emulated": str(applied_w.emulated or applied_kv.emulated).lower(),
                        "support": verdict.status, "support.reason": verdict.reason or "-",
                        "backend.weights": applied_w.backend, "backend.kv": applied_kv.backend,
@@ -226,19 +230,24 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
         m.metrics.update(size.weight_stats(model, n_params))
         m.metrics["size/embedding_unread_bytes"] = size.embedding_unread_bytes(model, cfg.probe.latency.batch_size)
         compute_bytes = model.get_input_embeddings().weight.element_size()
-        engine = target.engine(model, applied_kv, tok)
+        with m.timed("engine"):
+            engine = target.engine(model, applied_kv, tok)
         try:
             m.metrics.update({"compile/warmup_s": engine.ready_s,
                               "compile/enabled": float(bool(getattr(cfg.target, "compile", False))),
                               **engine.metrics})
             if reference is not None:
-                _fidelity(cfg, name, engine, reference, m, model if target.serves_export else None)
+                with m.timed("fidelity"):
+                    _fidelity(cfg, name, engine, reference, m, model if target.serves_export else None)
             _accuracy(cfg, name, engine, tok, m)
-            _cache(cfg, name, engine, model.config, tok, compute_bytes, m)
+            with m.timed("cache"):
+                _cache(cfg, name, engine, model.config, tok, compute_bytes, m)
             if cfg.probe.latency.enabled:
-                _latency(cfg, name, engine, tok, m)
+                with m.timed("latency"):
+                    _latency(cfg, name, engine, tok, m)
             if cfg.probe.load.enabled:
-                _load(cfg, name, engine, tok, m)
+                with m.timed("load"):
+                    _load(cfg, name, engine, tok, m)
         finally:
             engine.close()
     log.info("[%s] done: %s", name, _headline(m.metrics))
@@ -298,7 +307,7 @@ def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     """Perplexity and lm-eval; a missing data file costs those metrics only."""
     ppl = cfg.probe.perplexity
     if ppl.enabled:
-        with _optional_probe("perplexity", name, m):
+        with m.timed("perplexity"), _optional_probe("perplexity", name, m):
             ids = tok(perplexity.wikitext2_text(cfg.data_dir), add_special_tokens=False, return_tensors="pt")
             wins, total = perplexity.windows(ids["input_ids"][0], ppl.window, ppl.max_windows)
             log.info("[%s] perplexity probe (%d of %d windows of %d tokens%s)", name, len(wins), total, ppl.window,
@@ -310,7 +319,7 @@ def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
             m.items[metric] = [round(float(x), 5) for x in nll.ravel()]
     acc = cfg.probe.accuracy
     if acc.enabled:
-        with _optional_probe("accuracy", name, m):
+        with m.timed("accuracy"), _optional_probe("accuracy", name, m):
             log.info("[%s] lm-eval %s (limit %s%s)", name, ",".join(acc.tasks), acc.limit,
                      ", adaptive" if acc.adaptive else "")
             if acc.adaptive:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from quantlab import decision, plots, point, serving_report, tracking, uncertainty
 from quantlab.errors import UserError
+from quantlab.measurement import TIME_PREFIX
 from quantlab.pareto import Point, Recommendation, fastest_within, frontier
 
 # (header, metric or tag key, format); a metric with a standard error (see
@@ -330,6 +331,28 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
     return "\n".join(lines), recs
 
 
+def time_table(runs, reused: set[str] = frozenset()) -> str:
+    """Wall seconds each point spent per stage (``time/<stage>_s``), stages in
+    pipeline order, and the sweep's sum: where a sweep's time goes. Reused
+    points show the time of the run that measured them, marked."""
+    timed = [r for r in runs if f"{TIME_PREFIX}point_s" in r.data.metrics]
+    if not timed:
+        return ""
+    order = ("model", "reference", "apply", "engine", "fidelity", "perplexity", "accuracy", "cache", "latency",
+             "load", "point")
+    stages = [s for s in order if any(f"{TIME_PREFIX}{s}_s" in r.data.metrics for r in timed)]
+    head = ["point", *("total" if s == "point" else s for s in stages)]
+    rows = [[r.info.run_name + (" (reused)" if r.info.run_id in reused else ""),
+             *(f"{r.data.metrics[k]:.1f}" if (k := f"{TIME_PREFIX}{s}_s") in r.data.metrics else "-"
+               for s in stages)] for r in timed]
+    fresh = [r for r in timed if r.info.run_id not in reused]
+    rows.append(["sum (measured here)", *(f"{sum(r.data.metrics.get(f'{TIME_PREFIX}{s}_s', 0.0) for r in fresh):.1f}"
+                                          for s in stages)])
+    lines = ["Where the time went (wall seconds per stage; apply includes calibration):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def next_steps(runs, recs: dict[float, Recommendation], sweep: str, parent_id: str, out: Path,
                logged: bool) -> str:
     """Run ids, the export command of each recommendation, and where the
@@ -361,11 +384,12 @@ def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
     text, recs = decide(runs, metric, budgets, base, items, by)
     sweep = tags.get(point.SWEEP_TAG, "?")
     paired_text = paired_table(runs, base, items) if base is not None else ""
+    times = time_table(runs, {r.info.run_id for r in reused})
     out = Path(out_dir or tempfile.mkdtemp(prefix="quantlab-report-"))
     out.mkdir(parents=True, exist_ok=True)
     body = (f"# Sweep {sweep} ({parent_id})\n\n{table(runs, {r.info.run_id for r in reused}, base, items)}\n\n"
             + (paired_text + "\n\n" if paired_text else "") + f"{text}\n\n"
-            + next_steps(runs, recs, sweep, parent_id, out, log_to_run) + "\n")
+            + (times + "\n\n" if times else "") + next_steps(runs, recs, sweep, parent_id, out, log_to_run) + "\n")
     serving, serving_files = serving_report.section(client, runs, out, f"quantlab sweep {sweep}: load")
     if serving:
         body += "\n" + serving + "\n"

@@ -80,6 +80,22 @@ def test_summary_table_printed_and_logged(smoke_sweep):
         {a.path for a in client.list_artifacts(parent.info.run_id)}
 
 
+def test_each_point_says_where_its_time_went(smoke_sweep):
+    """time/<stage>_s per point, no stage longer than the point, and the
+    report's table sums them over the sweep."""
+    proc, _, runs = smoke_sweep
+    children = [r for r in runs if tracking.PARENT_TAG in r.data.tags]
+    for r in children:
+        m = {k[len("time/"):-2]: v for k, v in r.data.metrics.items() if k.startswith("time/")}
+        assert {"model", "apply", "fidelity", "latency", "point"} <= set(m), sorted(m)
+        assert all(v >= 0 for v in m.values())
+        assert sum(v for k, v in m.items() if k != "point") <= m["point"]
+    row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| sum (measured here)"))
+    total = float(row.strip("| ").split("|")[-1])
+    assert total == pytest.approx(sum(r.data.metrics["time/point_s"] for r in children), abs=0.2)
+    assert "Where the time went" in proc.stdout
+
+
 def test_unknown_scheme_is_one_line_listing_valid_names(tmp_path):
     proc = run_cli(["scheme/weights=int3", "model=tiny", f"tracking.uri=sqlite:///{tmp_path}/m.db"])
     assert proc.returncode == 2
