@@ -231,13 +231,23 @@ class LoadProbeConfig:
 
 @dataclass
 class ProbeConfig:
+    """``adaptive``: one switch for both adaptive probes (perplexity windows
+    and lm-eval documents scored until each budget is decided); true sets
+    ``perplexity.adaptive`` and ``accuracy.adaptive``, false leaves them as
+    set. The fidelity text stays fixed (one text, not a sample of units)."""
+
     name: str = MISSING
+    adaptive: bool = False
     latency: LatencyProbeConfig = field(default_factory=LatencyProbeConfig)
     fidelity: FidelityProbeConfig = field(default_factory=FidelityProbeConfig)
     accuracy: AccuracyProbeConfig = field(default_factory=AccuracyProbeConfig)
     perplexity: PerplexityProbeConfig = field(default_factory=PerplexityProbeConfig)
     cache: CacheProbeConfig = field(default_factory=CacheProbeConfig)
     load: LoadProbeConfig = field(default_factory=LoadProbeConfig)
+
+    def __post_init__(self) -> None:
+        if self.adaptive:
+            self.perplexity.adaptive = self.accuracy.adaptive = True
 
 
 @dataclass
@@ -298,8 +308,9 @@ def validate(cfg: Any, path: str = "") -> None:
                          f"an error rate and relative losses, each below 1")
     if isinstance(cfg, AccuracyProbeConfig) and cfg.adaptive and (
             odd := [t for t in cfg.tasks if t not in ADAPTIVE_TASKS]):
-        raise ValueError(f"{path}adaptive=true: {', '.join(odd)} cannot be scored adaptively (its per-document "
-                         f"values are not 0/1 scores); adaptive tasks: {', '.join(ADAPTIVE_TASKS)}")
+        raise ValueError(f"{path}adaptive=true (or probe.adaptive=true): {', '.join(odd)} cannot be scored "
+                         f"adaptively (its per-document values are not 0/1 scores); adaptive tasks: "
+                         f"{', '.join(ADAPTIVE_TASKS)}")
     if isinstance(cfg, LatencyProbeConfig) and cfg.max_repeats < cfg.repeats:
         raise ValueError(f"{path}max_repeats={cfg.max_repeats}: must be >= {path}repeats ({cfg.repeats})")
     for f in dataclasses.fields(cfg):

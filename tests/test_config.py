@@ -77,6 +77,8 @@ def test_bad_float_dtype_is_rejected():
     (["target=neuron", "target.sequence_length=40", "probe.fidelity.enabled=false", "probe.cache.enabled=false"],
      "probe.latency (prompt_tokens + new_tokens) needs 48 tokens of context; target.sequence_length=40"),
     (["scheme/weights=mixed", "scheme.weights.recipe=RECIPE"], "bad.yaml: not valid YAML at line 3"),
+    (["probe=full", "probe.adaptive=true"],  # the one switch reaches a task it cannot score
+     "(or probe.adaptive=true): lambada_openai_local, wikitext2_local cannot be scored adaptively"),
 ])
 def test_bad_values_fail_in_one_line_before_anything_runs(tmp_path, args, message):
     """Compose-time validation: one line naming the field, exit 2, no run
@@ -95,6 +97,16 @@ def test_bad_values_fail_in_one_line_before_anything_runs(tmp_path, args, messag
     assert "Traceback" not in proc.stderr and not (tmp_path / "m.db").exists()
     imported = {ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")}
     assert not imported & {"torch", "transformers", "hqq", "mlflow"}, sorted(imported & {"torch", "transformers"})
+
+
+def test_one_switch_makes_both_adaptive_probes_adaptive_and_round_trips():
+    from quantlab.compose import config_dict, config_from_dict
+
+    on = compose_cfg(["+sweep=fp8_vs_int4", "probe.adaptive=true"])
+    assert on.probe.perplexity.adaptive and on.probe.accuracy.adaptive
+    assert config_from_dict(config_dict(on)) == on
+    off = compose_cfg(["+sweep=fp8_vs_int4", "probe.perplexity.adaptive=true"])
+    assert off.probe.perplexity.adaptive and not off.probe.accuracy.adaptive  # false leaves each as set
 
 
 def test_every_preset_passes_validation():
