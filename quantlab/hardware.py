@@ -43,6 +43,20 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
+def cpu_native_matmul(dtype: torch.dtype) -> bool:
+    """Whether a matmul in ``dtype`` runs vectorized on this CPU: fp32 always;
+    bf16 and fp16 where oneDNN takes them (its own check, which reads the CPU:
+    bf16 from AVX-512 up, fp16 with AVX512-FP16 or AMX-FP16). Elsewhere
+    PyTorch falls back to a generic loop (bf16 on AVX2: a 32-token prefill
+    544 ms against int8's 165 ms, docs/results/2026-12-01-epyc-avx2.md)."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
 def cpu() -> Hardware:
     return Hardware(device="cpu", name=cpu_name(), cpu_flags=cpu_flags())
 

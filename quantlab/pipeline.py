@@ -40,6 +40,7 @@ from quantlab.export import formats
 from quantlab.probes import (accuracy, accuracy_adaptive, energy, fidelity, kv_capacity, latency, load,
                              perplexity, roofline, size, stages)
 from quantlab.probes import cache as cache_probe
+from quantlab.schemes import qlinear
 from quantlab.schemes.registry import ApplyContext, kv_handler
 
 log = logging.getLogger("quantlab")
@@ -223,13 +224,15 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
         with m.timed("apply"):  # calibration included
             applied_w = target.apply_weights(model, weights, ctx)
             applied_kv = kv_handler(kv).apply(model, kv, ctx)
+        compute = model.get_input_embeddings().weight.dtype
+        qlinear.widen(model, compute)
         m.tags.update({"emulated": str(applied_w.emulated or applied_kv.emulated).lower(),
                        "support": verdict.status, "support.reason": verdict.reason or "-",
                        "backend.weights": applied_w.backend, "backend.kv": applied_kv.backend,
-                       **applied_w.tags, **applied_kv.tags})
+                       **applied_w.tags, **applied_kv.tags, **qlinear.widened_tags(model, compute)})
         m.metrics.update(size.weight_stats(model, n_params))
         m.metrics["size/embedding_unread_bytes"] = size.embedding_unread_bytes(model, cfg.probe.latency.batch_size)
-        compute_bytes = model.get_input_embeddings().weight.element_size()
+        compute_bytes = compute.itemsize
         with m.timed("engine"):
             engine = target.engine(model, applied_kv, tok)
         try:

@@ -89,6 +89,85 @@ def test_int4_kernel_matches_dequantized_weights(n, groups, g, sym, seed):
         assert torch.all(zero == 0)
 
 
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 300), kind=st.sampled_from(["int8", "int4-g32", "int4-g64-sym"]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), n=st.sampled_from([16, 100, 256]),
+       seed=st.integers(0, 50))
+def test_dequantized_gemm_path_computes_what_the_packed_kernel_does(rows, kind, dtype, n, seed):
+    """Where the packed kernel is slow for the activation dtype, calls of at
+    least DENSE_MIN_TOKENS rows take the dequantized-fp32 GEMM: the same
+    layer's output within the compute dtype's own rounding of the kernel's
+    (>= 60 dB: bf16 rounds at ~50 dB against float, fp32 well above)."""
+    from quantlab.schemes import qlinear
+
+    lin = _linear(n=n, k=256, seed=seed)
+    mod = Int8Linear.from_linear(lin, dtype) if kind == "int8" else \
+        Int4Linear.from_linear(lin, int(kind[6:8]), kind.endswith("sym"), dtype)
+    x = _x(k=256, rows=rows, seed=seed + 1).to(dtype)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qlinear, "DENSE_MIN_TOKENS", 10**9)
+        kernel = mod(x)
+        mp.setattr(qlinear, "DENSE_MIN_TOKENS", 1)
+        mp.setattr(qlinear, "kernel_fast", lambda d: False)
+        dense = mod(x)
+    assert dense.dtype == kernel.dtype == dtype and dense.shape == kernel.shape == (rows, n)
+    assert sqnr_db(kernel, dense) > 60.0
+
+
+def test_the_int4_codes_are_read_back_exactly_from_the_kernel_layout():
+    """codes() unpacks the ISA-dependent packed layout (learnt from the packing
+    function) to the very integers quantized; dequantize() equals the kernel
+    multiplying an identity, up to the kernel's rounding of its output."""
+    for n, k, g in ((1536, 576, 64), (200, 576, 32), (576, 1536, 128)):
+        w = _linear(n=n, k=k).weight.detach()
+        q, scale, zero = rtn_int4(w, g, False)
+        mod = Int4Linear(q, scale, zero, g, None, torch.bfloat16)
+        assert torch.equal(mod.codes().int(), q.int())
+        eye = torch.eye(k, dtype=torch.bfloat16)
+        through_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, mod.packed, g, mod.scales_and_zeros)
+        assert torch.allclose(mod.dequantize(), through_kernel[:, :n].T.float(), rtol=2 ** -8, atol=1e-6)
+
+
+def test_prefill_path_is_tagged_per_host(monkeypatch):
+    from quantlab.schemes import qlinear
+
+    monkeypatch.setattr(qlinear, "kernel_fast", lambda d: False)
+    assert "dequantized fp32 GEMM from 4 tokens" in qlinear.prefill_tags(torch.bfloat16)["kernel.prefill"]
+    assert qlinear.dense_path(4, torch.bfloat16) and not qlinear.dense_path(1, torch.bfloat16)
+    monkeypatch.setattr(qlinear, "kernel_fast", lambda d: True)
+    assert qlinear.prefill_tags(torch.bfloat16) == {"kernel.prefill": "packed kernel"}
+    assert not qlinear.dense_path(4096, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_linears_widen_only_where_the_cpu_has_no_native_matmul(monkeypatch, tiny, dtype):
+    """A model in a half dtype this CPU cannot multiply natively: its plain
+    Linears multiply in fp32 from DENSE_MIN_TOKENS tokens (the same sums the
+    fallback does, so the same output up to its rounding), keep their
+    parameters and state dict, and one token a sequence takes the half path."""
+    from quantlab.schemes import qlinear
+
+    model, _ = tiny
+    layers.cast_parameters(model, dtype)
+    keys = set(model.state_dict())
+    ids = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        before = model(ids).logits.float()
+        monkeypatch.setattr(hardware, "cpu_native_matmul", lambda d: d == torch.float32)
+        n = qlinear.widen(model, dtype)
+        after = model(ids).logits.float()
+    assert n == sum(isinstance(m, nn.Linear) for m in model.modules()) > 0
+    assert all(isinstance(m, qlinear.WidenedLinear) for m in model.modules() if isinstance(m, nn.Linear))
+    assert set(model.state_dict()) == keys
+    assert sqnr_db(before, after) > 30.0  # half rounding of activations, not of the sums
+    assert "multiply in fp32 from 4 tokens" in qlinear.widened_tags(model, dtype)["kernel.half_linear"]
+    lin = next(m for m in model.modules() if isinstance(m, qlinear.WidenedLinear))
+    x = torch.randn(1, 1, lin.in_features).to(dtype)
+    assert torch.equal(lin(x), nn.functional.linear(x, lin.weight, lin.bias))  # decode: the half path itself
+    monkeypatch.setattr(hardware, "cpu_native_matmul", lambda d: True)
+    assert qlinear.widen(models.tiny_model(ModelConfig(name="tiny", source="tiny")), dtype) == 0
+
+
 def test_int8_round_trip_error_bound():
     lin = _linear()
     mod = Int8Linear.from_linear(lin, torch.float32)
@@ -213,7 +292,7 @@ def test_gptq_without_its_data_calibrates_on_builtin_text_and_says_so(tmp_path, 
     present = _apply(models.tiny_model(ModelConfig(name="tiny", source="tiny")),
                      GPTQScheme(group_size=32, calibration="builtin", n_samples=4, seq_len=64), tok,
                      cache_dir=str(tmp_path))
-    assert present.tags == {"calibration": "builtin"}
+    assert {k: v for k, v in present.tags.items() if k != "kernel.prefill"} == {"calibration": "builtin"}
 
 
 # --- what each target can run (the sweep asks this before loading anything) ---

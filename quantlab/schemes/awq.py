@@ -26,7 +26,7 @@ from quantlab.schemes import layers, smoothing
 from quantlab.schemes.configs import AWQScheme
 from quantlab.schemes.int4 import checkpoint as int4_checkpoint
 from quantlab.schemes.int4 import gguf as int4_gguf
-from quantlab.schemes.qlinear import Int4Linear, rtn_int4
+from quantlab.schemes.qlinear import Int4Linear, prefill_tags, rtn_int4
 from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
 
 log = logging.getLogger("quantlab")
@@ -106,7 +106,7 @@ def apply(model: nn.Module, cfg: AWQScheme, ctx: ApplyContext) -> Applied:
     for name, lin in selected.items():
         layers.replace(model, name, Int4Linear.from_linear(lin, cfg.group_size, cfg.symmetric, dtype))
     layers.cast_parameters(model, dtype)
-    return Applied(backend="quantlab.awq+aten._weight_int4pack_mm_for_cpu", emulated=False, tags=tags)
+    return Applied(backend="quantlab.awq+aten._weight_int4pack_mm_for_cpu", emulated=False, tags={**tags, **prefill_tags(dtype)})
 
 
 register_weights("awq", AWQScheme, support, apply, checkpoint=int4_checkpoint, gguf=int4_gguf)

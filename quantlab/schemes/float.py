@@ -13,7 +13,8 @@ def support(cfg: FloatScheme, hw: Hardware) -> Support:
     """Real everywhere: weights stay in ``dtype`` in memory and the GEMM reads
     them as such. On CPUs without AVX512-FP16/BF16 the kernel widens to fp32 in
     registers, which costs compute but not memory traffic (decode is bound by
-    the latter); the reason says so."""
+    the latter); the reason says so. (Where oneDNN has no such matmul at all,
+    calls of several tokens multiply in fp32: ``qlinear.WidenedLinear``.)"""
     if hw.device == "cpu":
         native = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
         flags = native.get(cfg.dtype)

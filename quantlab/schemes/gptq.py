@@ -24,7 +24,7 @@ from quantlab.schemes.configs import GPTQScheme
 from quantlab.schemes.gptq_solver import HessianAccumulator, gptq_int4
 from quantlab.schemes.int4 import checkpoint as int4_checkpoint
 from quantlab.schemes.int4 import gguf as int4_gguf
-from quantlab.schemes.qlinear import Int4Linear
+from quantlab.schemes.qlinear import Int4Linear, prefill_tags
 from quantlab.schemes.registry import Applied, ApplyContext, Support, register_weights
 
 log = logging.getLogger("quantlab")
@@ -101,7 +101,7 @@ def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
         states = [(_run_layer(layer, hidden, kw), kw) for hidden, kw in states]
         log.info("gptq: layer %d/%d quantized (%d linears)", li + 1, len(decoder), len(linears))
     layers.cast_parameters(model, dtype)
-    return Applied(backend="quantlab.gptq+aten._weight_int4pack_mm_for_cpu", emulated=False, tags=tags)
+    return Applied(backend="quantlab.gptq+aten._weight_int4pack_mm_for_cpu", emulated=False, tags={**tags, **prefill_tags(dtype)})
 
 
 register_weights("gptq", GPTQScheme, support, apply, checkpoint=int4_checkpoint, gguf=int4_gguf)

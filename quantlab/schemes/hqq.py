@@ -24,7 +24,7 @@ from torch import nn
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers
 from quantlab.schemes.configs import HQQScheme
-from quantlab.schemes.qlinear import Int4Linear
+from quantlab.schemes.qlinear import Int4Linear, prefill_tags
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 log = logging.getLogger("quantlab")
@@ -95,7 +95,7 @@ def apply(model: nn.Module, cfg: HQQScheme, ctx: ApplyContext) -> Applied:
     layers.cast_parameters(model, dtype)
     log.info("hqq: %d linears, %d bit, groups of %d", len(linears), cfg.nbits, cfg.group_size)
     if cfg.nbits == 4:
-        return Applied(backend="hqq+aten._weight_int4pack_mm_for_cpu", emulated=False)
+        return Applied(backend="hqq+aten._weight_int4pack_mm_for_cpu", emulated=False, tags=prefill_tags(dtype))
     return Applied(backend="hqq+quantlab.GroupDequantLinear", emulated=True)
 
 

@@ -7,7 +7,7 @@ import torch
 from quantlab.hardware import Hardware
 from quantlab.schemes.configs import Int4Scheme
 from quantlab.schemes import layers
-from quantlab.schemes.qlinear import Int4Linear
+from quantlab.schemes.qlinear import Int4Linear, prefill_tags
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 def support(cfg: Int4Scheme, hw: Hardware) -> Support:
@@ -33,7 +33,7 @@ def apply(model: torch.nn.Module, cfg: Int4Scheme, ctx: ApplyContext) -> Applied
     for name, lin in linears:
         layers.replace(model, name, Int4Linear.from_linear(lin, cfg.group_size, cfg.symmetric, dtype))
     layers.cast_parameters(model, dtype)
-    return Applied(backend="aten._weight_int4pack_mm_for_cpu", emulated=False)
+    return Applied(backend="aten._weight_int4pack_mm_for_cpu", emulated=False, tags=prefill_tags(dtype))
 
 
 def checkpoint(cfg, asymmetric_as: str = "group") -> Mapping:

@@ -7,7 +7,7 @@ import torch
 from quantlab.hardware import Hardware
 from quantlab.schemes.configs import Int8Scheme
 from quantlab.schemes import layers
-from quantlab.schemes.qlinear import Int8Linear
+from quantlab.schemes.qlinear import Int8Linear, prefill_tags
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 
@@ -30,7 +30,7 @@ def apply(model: torch.nn.Module, cfg: Int8Scheme, ctx: ApplyContext) -> Applied
     for name, lin in linears:
         layers.replace(model, name, Int8Linear.from_linear(lin, dtype))
     layers.cast_parameters(model, dtype)
-    return Applied(backend="aten._weight_int8pack_mm", emulated=False)
+    return Applied(backend="aten._weight_int8pack_mm", emulated=False, tags=prefill_tags(dtype))
 
 
 def checkpoint(cfg: Int8Scheme) -> Mapping:

@@ -30,7 +30,7 @@ from quantlab.hardware import Hardware
 from quantlab.schemes import awq, layers
 from quantlab.schemes.configs import AWQ_GRID, KEEP, MixedScheme, _INT4
 from quantlab.schemes.awq import rtn_dequantized
-from quantlab.schemes.qlinear import Int4Linear, Int8Linear, rtn_int8
+from quantlab.schemes.qlinear import Int4Linear, Int8Linear, prefill_tags, rtn_int8
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 
@@ -93,7 +93,7 @@ def apply(model: torch.nn.Module, cfg: MixedScheme, ctx: ApplyContext) -> Applie
     layers.cast_parameters(model, dtype)
     tags.update({f"mixed.layers.{c}": str(n) for c, n in sorted(counts.items())})
     return Applied(backend=f"mixed{'+awq' if cfg.awq else ''}: aten int8/int4 CPU kernels per layer",
-                   emulated=False, tags=tags)
+                   emulated=False, tags={**tags, **prefill_tags(dtype)})
 
 
 def checkpoint(cfg: MixedScheme) -> Mapping:

@@ -15,6 +15,20 @@ Each module holds its weight in the packed form a real kernel reads, and its
 
 ``dequantize()`` returns the float weight each module computes with, for
 numerics tests and export.
+
+Where ATen's two weight-only kernels have no vectorized path for the
+activation dtype on this CPU (they have one for bf16 where oneDNN does bf16
+matmul, AVX-512 and up; none for fp32 or fp16 activations, nor for bf16 on an
+AVX2 CPU), they cost ~0.5 ms per token per 576x1536 layer (2 GFLOP/s: 63 ms
+at 128 tokens against 2.7 ms dense; ``benchmarks/prefill_path.py``). There,
+a call of at least ``DENSE_MIN_TOKENS`` tokens (prefill, lm-eval, perplexity,
+calibration) multiplies the activations, rounded to the compute dtype as the
+kernel takes them, by the dequantized weight in fp32 (the kernel's own
+arithmetic: exact products, fp32 sums) and rounds the result to the compute
+dtype, as vLLM's AWQ layer dequantizes for large batches. Decode (one token
+a sequence) stays on the kernel. The weights stay packed; the dense weight is
+one layer's, for the call's duration. Points tag which path ran
+(:func:`prefill_tags`).
 """
 from __future__ import annotations
 
@@ -23,6 +37,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantlab import hardware
 
 
 def rtn_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +85,76 @@ def rtn_int4(w: torch.Tensor, group_size: int, symmetric: bool):
     return q.reshape(n, k).to(torch.int32), scale, offset + 8 * scale
 
 
+# Tokens from which a call on a slow kernel path takes the dense one, from the
+# measured crossover (benchmarks/prefill_path.py, fp32 activations, ms per
+# 576x1536 call, kernel vs dense): int8 at 1 token 0.4 vs 1.9, at 4 tokens
+# 1.4 vs 0.9; int4-g64 (its codes unpacked per call) at 4 tokens about even
+# (0.8-1.7x across runs), from 16 tokens 2.5-40x faster dense.
+DENSE_MIN_TOKENS = 4
+
+
+def kernel_fast(dtype: torch.dtype) -> bool:
+    """Whether ATen's CPU weight-only kernels are vectorized for activations
+    of ``dtype`` here: bf16 where oneDNN has bf16 matmul; fp16 and fp32 never
+    (measured 50-100x slower at 512 tokens on an AVX-512 BF16 CPU)."""
+    return dtype == torch.bfloat16 and hardware.cpu_native_matmul(torch.bfloat16)
+
+
+def dense_path(tokens: int, dtype: torch.dtype) -> bool:
+    """A call of ``tokens`` rows goes through the dequantized weight in fp32."""
+    return tokens >= DENSE_MIN_TOKENS and not kernel_fast(dtype)
+
+
+def prefill_tags(dtype: torch.dtype) -> dict[str, str]:
+    """The ``kernel.prefill`` tag of a point whose layers are Int8/Int4Linear."""
+    if kernel_fast(dtype):
+        return {"kernel.prefill": "packed kernel"}
+    return {"kernel.prefill": f"dequantized fp32 GEMM from {DENSE_MIN_TOKENS} tokens (the packed kernel has no "
+                              f"vectorized {str(dtype).removeprefix('torch.')} path on this CPU); decode on the kernel"}
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` times the fp32 ``weight``, summed in fp32, rounded to ``dtype``."""
+    return F.linear(x.to(dtype).float(), weight).to(dtype)
+
+
+class WidenedLinear(nn.Linear):
+    """A float ``nn.Linear`` in a half dtype this CPU has no native matmul for
+    (:func:`quantlab.hardware.cpu_native_matmul`): a call of at least
+    ``DENSE_MIN_TOKENS`` tokens multiplies in fp32 (the fallback's own
+    arithmetic: exact widening, fp32 sums, result rounded to the half dtype),
+    one token a sequence (decode) keeps PyTorch's own path on the half weight.
+    Same parameters and state dict as ``nn.Linear``; :func:`widen` swaps it in."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.numel() // max(x.shape[-1], 1) < DENSE_MIN_TOKENS:
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+def widen(model: nn.Module, dtype: torch.dtype) -> int:
+    """Make every plain ``nn.Linear`` of a CPU model in ``dtype`` a
+    :class:`WidenedLinear` where this CPU has no native ``dtype`` matmul;
+    returns how many (0 where it has one, or for fp32)."""
+    if hardware.cpu_native_matmul(dtype) or next(model.parameters()).device.type != "cpu":
+        return 0
+    plain = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == dtype]
+    for m in plain:
+        m.__class__ = WidenedLinear
+    return len(plain)
+
+
+def widened_tags(model: nn.Module, dtype: torch.dtype) -> dict[str, str]:
+    """The ``kernel.half_linear`` tag of a point whose float Linears were widened."""
+    n = sum(isinstance(m, WidenedLinear) for m in model.modules())
+    if not n:
+        return {}
+    return {"kernel.half_linear": f"{n} {str(dtype).removeprefix('torch.')} Linear layers multiply in fp32 from "
+                                  f"{DENSE_MIN_TOKENS} tokens (no native {str(dtype).removeprefix('torch.')} matmul "
+                                  f"on this CPU); decode on the half weights"}
+
+
 class Int8Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  compute_dtype: torch.dtype):
@@ -86,8 +172,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.compute_dtype),
-                                      self.qweight, self.scale)
+        x2 = x.reshape(-1, shape[-1])
+        if dense_path(x2.shape[0], self.compute_dtype):
+            y = _dense(x2, self.dequantize(), self.compute_dtype)
+        else:
+            y = torch._weight_int8pack_mm(x2.to(self.compute_dtype), self.qweight, self.scale)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
@@ -127,20 +216,40 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, shape[-1]).to(self.compute_dtype).contiguous(),
-            self.packed, self.group_size, self.scales_and_zeros)
-        y = y[:, : self.out_features]
+        x2 = x.reshape(-1, shape[-1])
+        if dense_path(x2.shape[0], self.compute_dtype):
+            y = _dense(x2, self.dequantize(), self.compute_dtype)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(self.compute_dtype).contiguous(), self.packed, self.group_size, self.scales_and_zeros)
+            y = y[:, : self.out_features]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
+    def codes(self) -> torch.Tensor:
+        """The int4 codes ``[N, K]`` (0..15) unpacked from the kernel's layout."""
+        n_pad = self.packed.shape[0]
+        k = self.in_features
+        block = _int4pack_block(k)
+        full = n_pad - n_pad % block
+        q = torch.empty(n_pad * k, dtype=torch.uint8)
+        for rows, codes, packed in ((block, q[: full * k], self.packed[:full]),  # blocks share one layout
+                                    (n_pad - full, q[full * k:], self.packed[full:])):
+            if rows:
+                pos = _int4pack_positions(rows, k)
+                codes, packed = codes.view(-1, rows * k), packed.reshape(-1, rows * k // 2)
+                codes[:, pos[0::2]] = packed & 0xF  # low nibbles, then high
+                codes[:, pos[1::2]] = packed >> 4
+        return q.reshape(n_pad, k)[: self.out_features]
+
     def dequantize(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, read back through the kernel itself."""
-        eye = torch.eye(self.in_features, dtype=self.compute_dtype)
-        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            eye, self.packed, self.group_size, self.scales_and_zeros)
-        return w_t[:, : self.out_features].T.float()
+        """The weight the kernel multiplies by, ``(q - 8) * scale + zero`` per
+        group in fp32 (tinygemm's convention; the kernel forms it in fp32 too)."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        sz = self.scales_and_zeros.float().transpose(0, 1)[:n]  # [N, K/g, 2]
+        q = self.codes().float().reshape(n, k // g, g)
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(n, k)
 
     def int_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q [N, K] in 0..15, scale [N, K/g], zero_point [N, K/g])`` with
@@ -148,10 +257,36 @@ class Int4Linear(nn.Module):
         sz = self.scales_and_zeros.float().transpose(0, 1)[: self.out_features]  # [N, K/g, 2]
         scale, zero = sz[..., 0], sz[..., 1]
         zero_point = torch.round(8 - zero / scale)
-        n, k, g = self.out_features, self.in_features, self.group_size
-        w = self.dequantize().reshape(n, k // g, g)
-        q = torch.round(w / scale[..., None] + zero_point[..., None]).clamp(0, 15)
-        return q.reshape(n, k), scale, zero_point
+        return self.codes().float(), scale, zero_point
+
+
+@functools.cache
+def _int4pack_positions(n: int, k: int) -> torch.Tensor:
+    """Where ``_convert_weight_to_int4pack_for_cpu`` puts each code of an
+    ``[n, k]`` matrix, as flat indices in row-major order of the nibbles
+    (byte by byte, low nibble first). Read off the packing function itself,
+    one bit of the index at a time (its layout depends on the CPU's ISA), so
+    it holds on any CPU. Asked for one row block (:func:`_int4pack_block`)
+    and a tail, never for a whole large matrix."""
+    index = torch.arange(n * k, dtype=torch.int64).reshape(n, k)
+    where = torch.zeros(n * k, dtype=torch.int64)
+    for bit in range((n * k - 1).bit_length()):
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(((index >> bit) & 1).int(), 1)
+        where |= torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(-1).long() << bit
+    return where
+
+
+@functools.cache
+def _int4pack_block(k: int) -> int:
+    """Rows of the packing's repeating block at ``k`` columns (64 on AVX-512):
+    the least of 16, 32, 64, 128 whose layout, stacked three times, is that
+    of three times as many rows. An ISA packing otherwise falls back to one
+    block of every row (ValueError beyond 1M codes, never silently wrong)."""
+    for rows in (16, 32, 64, 128):
+        one = _int4pack_positions(rows, k)
+        if torch.equal(_int4pack_positions(3 * rows, k), torch.cat([one + b * rows * k for b in range(3)])):
+            return rows
+    raise ValueError(f"tinygemm CPU packing at K={k}: no repeating row block of 16-128 rows found")
 
 
 class FP8Linear(nn.Module):
