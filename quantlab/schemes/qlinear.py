@@ -19,8 +19,8 @@ numerics tests and export.
 Where ATen's two weight-only kernels have no vectorized path for the
 activation dtype on this CPU (they have one for bf16 where oneDNN does bf16
 matmul, AVX-512 and up; none for fp32 or fp16 activations, nor for bf16 on an
-AVX2 CPU), they cost ~0.5 ms per token per 576x1536 layer (2 GFLOP/s: 63 ms
-at 128 tokens against 2.7 ms dense; ``benchmarks/prefill_path.py``). There,
+AVX2 CPU), they cost ~0.4 ms per token per 576x1536 layer (46 ms at 128
+tokens against 2.1 ms dense; ``benchmarks/prefill_path.py``). There,
 a call of at least ``DENSE_MIN_TOKENS`` tokens (prefill, lm-eval, perplexity,
 calibration) multiplies the activations, rounded to the compute dtype as the
 kernel takes them, by the dequantized weight in fp32 (the kernel's own
@@ -96,7 +96,7 @@ DENSE_MIN_TOKENS = 4
 def kernel_fast(dtype: torch.dtype) -> bool:
     """Whether ATen's CPU weight-only kernels are vectorized for activations
     of ``dtype`` here: bf16 where oneDNN has bf16 matmul; fp16 and fp32 never
-    (measured 50-100x slower at 512 tokens on an AVX-512 BF16 CPU)."""
+    (40-100x slower than the bf16 path at 512 tokens on an AVX-512 BF16 CPU)."""
     return dtype == torch.bfloat16 and hardware.cpu_native_matmul(torch.bfloat16)
 
 
@@ -173,7 +173,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if dense_path(x2.shape[0], self.compute_dtype):
+        if x2.is_cpu and dense_path(x2.shape[0], self.compute_dtype):
             y = _dense(x2, self.dequantize(), self.compute_dtype)
         else:
             y = torch._weight_int8pack_mm(x2.to(self.compute_dtype), self.qweight, self.scale)
@@ -217,7 +217,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if dense_path(x2.shape[0], self.compute_dtype):
+        if x2.is_cpu and dense_path(x2.shape[0], self.compute_dtype):
             y = _dense(x2, self.dequantize(), self.compute_dtype)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
