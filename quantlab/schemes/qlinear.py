@@ -18,8 +18,8 @@ numerics tests and export.
 
 Where ATen's two weight-only kernels have no vectorized path for the
 activation dtype on this CPU (they have one for bf16 where oneDNN does bf16
-matmul, AVX-512 and up; none for fp32 or fp16 activations, nor for bf16 on an
-AVX2 CPU), they cost ~0.4 ms per token per 576x1536 layer (46 ms at 128
+matmul, AVX-512 and up; none for fp32 or fp16 activations, and, by the same
+check, none for bf16 on an AVX2 CPU: inferred, not measured there), they cost ~0.4 ms per token per 576x1536 layer (46 ms at 128
 tokens against 2.1 ms dense; ``benchmarks/prefill_path.py``). There,
 a call of at least ``DENSE_MIN_TOKENS`` tokens (prefill, lm-eval, perplexity,
 calibration) multiplies the activations, rounded to the compute dtype as the
