@@ -20,9 +20,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def private_tmp(path: Path) -> Path:
+    """A hidden name beside ``path`` that no other writer of ``path`` uses
+    (``.<stem>.<random>.tmp<suffix>``: the suffix kept for tools that read it),
+    to write under and rename into place."""
+    return path.with_name(f".{path.stem}.{uuid.uuid4().hex[:12]}.tmp{path.suffix}")
+
+
 def write_atomic(path: Path, text: str) -> None:
     """``path`` holds ``text`` whole or not at all, for any reader at any time."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = private_tmp(path)
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
 
@@ -42,7 +49,7 @@ def computed_once(path: Path, load: Callable[[Path], T], compute: Callable[[], T
         if path.is_file():  # another process computed it while this one waited
             return load(path)
         value = compute()
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+        tmp = private_tmp(path)
         save(value, tmp)
         tmp.replace(path)
     return value

@@ -225,11 +225,11 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
             applied_w = target.apply_weights(model, weights, ctx)
             applied_kv = kv_handler(kv).apply(model, kv, ctx)
         compute = model.get_input_embeddings().weight.dtype
-        qlinear.widen(model, compute)
+        widened = qlinear.widen(model, compute)
         m.tags.update({"emulated": str(applied_w.emulated or applied_kv.emulated).lower(),
                        "support": verdict.status, "support.reason": verdict.reason or "-",
                        "backend.weights": applied_w.backend, "backend.kv": applied_kv.backend,
-                       **applied_w.tags, **applied_kv.tags, **qlinear.widened_tags(model, compute)})
+                       **applied_w.tags, **applied_kv.tags, **qlinear.widened_tags(widened, compute)})
         m.metrics.update(size.weight_stats(model, n_params))
         m.metrics["size/embedding_unread_bytes"] = size.embedding_unread_bytes(model, cfg.probe.latency.batch_size)
         compute_bytes = compute.itemsize

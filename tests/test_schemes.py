@@ -160,7 +160,7 @@ def test_half_linears_widen_only_where_the_cpu_has_no_native_matmul(monkeypatch,
     assert all(isinstance(m, qlinear.WidenedLinear) for m in model.modules() if isinstance(m, nn.Linear))
     assert set(model.state_dict()) == keys
     assert sqnr_db(before, after) > 30.0  # half rounding of activations, not of the sums
-    assert "multiply in fp32 from 4 tokens" in qlinear.widened_tags(model, dtype)["kernel.half_linear"]
+    assert "multiply in fp32 from 4 tokens" in qlinear.widened_tags(n, dtype)["kernel.half_linear"]
     lin = next(m for m in model.modules() if isinstance(m, qlinear.WidenedLinear))
     x = torch.randn(1, 1, lin.in_features).to(dtype)
     assert torch.equal(lin(x), nn.functional.linear(x, lin.weight, lin.bias))  # decode: the half path itself

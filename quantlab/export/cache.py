@@ -17,14 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from filelock import FileLock
 
-from quantlab.digest import sha256_file, write_atomic
+from quantlab.digest import private_tmp, sha256_file, write_atomic
 from quantlab.errors import UserError
 
 
@@ -58,7 +57,7 @@ def cached(root: str | Path, key: str, suffix: str, write: Callable[[Path], Any]
                 raise UserError(f"{what} cache entry {path} is corrupt (sha256 differs from {stamp.name}); "
                                 "delete both to re-export")
             return path, True, kept.get("info")
-        tmp = root / f".{key}.{uuid.uuid4().hex[:12]}.tmp{suffix}"
+        tmp = private_tmp(path)
         try:
             info = write(tmp)
             _remove(path)  # a writer that died before its stamp left it

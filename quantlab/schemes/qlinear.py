@@ -145,14 +145,14 @@ def widen(model: nn.Module, dtype: torch.dtype) -> int:
     return len(plain)
 
 
-def widened_tags(model: nn.Module, dtype: torch.dtype) -> dict[str, str]:
-    """The ``kernel.half_linear`` tag of a point whose float Linears were widened."""
-    n = sum(isinstance(m, WidenedLinear) for m in model.modules())
+def widened_tags(n: int, dtype: torch.dtype) -> dict[str, str]:
+    """The ``kernel.half_linear`` tag of a point whose ``n`` float Linears
+    :func:`widen` widened (none: no tag)."""
     if not n:
         return {}
-    return {"kernel.half_linear": f"{n} {str(dtype).removeprefix('torch.')} Linear layers multiply in fp32 from "
-                                  f"{DENSE_MIN_TOKENS} tokens (no native {str(dtype).removeprefix('torch.')} matmul "
-                                  f"on this CPU); decode on the half weights"}
+    name = str(dtype).removeprefix("torch.")
+    return {"kernel.half_linear": f"{n} {name} Linear layers multiply in fp32 from {DENSE_MIN_TOKENS} tokens "
+                                  f"(no native {name} matmul on this CPU); decode on the half weights"}
 
 
 class Int8Linear(nn.Module):
@@ -247,14 +247,18 @@ class Int4Linear(nn.Module):
         """The weight the kernel multiplies by, ``(q - 8) * scale + zero`` per
         group in fp32 (tinygemm's convention; the kernel forms it in fp32 too)."""
         n, k, g = self.out_features, self.in_features, self.group_size
-        sz = self.scales_and_zeros.float().transpose(0, 1)[:n]  # [N, K/g, 2]
+        sz = self._scales_zeros()
         q = self.codes().float().reshape(n, k // g, g)
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(n, k)
+
+    def _scales_zeros(self) -> torch.Tensor:
+        """``[N, K/g, 2]`` fp32: each group's tinygemm scale and zero, padding rows dropped."""
+        return self.scales_and_zeros.float().transpose(0, 1)[: self.out_features]
 
     def int_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q [N, K] in 0..15, scale [N, K/g], zero_point [N, K/g])`` with
         ``w = (q - zero_point) * scale``, recovered from the packed kernel data."""
-        sz = self.scales_and_zeros.float().transpose(0, 1)[: self.out_features]  # [N, K/g, 2]
+        sz = self._scales_zeros()
         scale, zero = sz[..., 0], sz[..., 1]
         zero_point = torch.round(8 - zero / scale)
         return self.codes().float(), scale, zero_point
@@ -280,8 +284,8 @@ def _int4pack_positions(n: int, k: int) -> torch.Tensor:
 def _int4pack_block(k: int) -> int:
     """Rows of the packing's repeating block at ``k`` columns (64 on AVX-512):
     the least of 16, 32, 64, 128 whose layout, stacked three times, is that
-    of three times as many rows. An ISA packing otherwise falls back to one
-    block of every row (ValueError beyond 1M codes, never silently wrong)."""
+    of three times as many rows. A packing with no such block raises
+    ValueError (never a silently wrong unpack)."""
     for rows in (16, 32, 64, 128):
         one = _int4pack_positions(rows, k)
         if torch.equal(_int4pack_positions(3 * rows, k), torch.cat([one + b * rows * k for b in range(3)])):
