@@ -44,6 +44,13 @@ def cpu_name() -> str:
 
 
 @functools.cache
+def cpu_vector_isa() -> str:
+    """The instruction set of the ATen CPU kernels this process dispatches to
+    ("AVX512", "AVX2", "DEFAULT", ...): the CPU's, or lower where
+    ``ATEN_CPU_CAPABILITY`` caps it."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def cpu_native_matmul(dtype: torch.dtype) -> bool:
     """Whether a matmul in ``dtype`` runs vectorized on this CPU: fp32 always;
     bf16 and fp16 where oneDNN takes them (its own check, which reads the CPU:

@@ -1,6 +1,10 @@
 """Numerics of every weight scheme against the float layer, and size accounting."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -137,6 +141,27 @@ def test_prefill_path_is_tagged_per_host(monkeypatch):
     monkeypatch.setattr(qlinear, "kernel_fast", lambda d: True)
     assert qlinear.prefill_tags(torch.bfloat16) == {"kernel.prefill": "packed kernel"}
     assert not qlinear.dense_path(4096, torch.bfloat16)
+
+
+def test_the_kernel_is_fast_for_bf16_on_atens_avx_builds_only(monkeypatch):
+    """Keyed on the ATen CPU build dispatched to, not on oneDNN's bf16 matmul:
+    with oneDNN capped at AVX2 (no bf16 matmul) the AVX2 kernels took 6.4 ms
+    for int8 at 512 tokens, the generic ones 176 (benchmarks/prefill_path.py)."""
+    from quantlab.schemes import qlinear
+
+    for isa, fast in (("AVX512", True), ("AVX2", True), ("DEFAULT", False), ("SVE256", False)):
+        monkeypatch.setattr(hardware, "cpu_vector_isa", lambda isa=isa: isa)
+        assert qlinear.kernel_fast(torch.bfloat16) is fast
+        assert not qlinear.kernel_fast(torch.float16) and not qlinear.kernel_fast(torch.float32)
+        assert qlinear.dense_path(8, torch.bfloat16) is not fast
+
+
+def test_the_vector_isa_follows_atens_cap():
+    """What a point reads is the build ATen dispatches to, lowered by ATEN_CPU_CAPABILITY."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    out = subprocess.run([sys.executable, "-c", "from quantlab import hardware; print(hardware.cpu_vector_isa())"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "DEFAULT"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -17,10 +17,12 @@ Each module holds its weight in the packed form a real kernel reads, and its
 numerics tests and export.
 
 Where ATen's two weight-only kernels have no vectorized path for the
-activation dtype on this CPU (they have one for bf16 where oneDNN does bf16
-matmul, AVX-512 and up; none for fp32 or fp16 activations, and, by the same
-check, none for bf16 on an AVX2 CPU: inferred, not measured there), they cost ~0.4 ms per token per 576x1536 layer (46 ms at 128
-tokens against 2.1 ms dense; ``benchmarks/prefill_path.py``). There,
+activation dtype on this CPU, they cost ~0.4 ms per token per 576x1536 layer
+(46 ms at 128 tokens against 2.1 ms dense; ``benchmarks/prefill_path.py``).
+They have one for bf16 in ATen's AVX2 and AVX-512 builds of its CPU kernels,
+whatever oneDNN can do; none for fp32 or fp16 activations, nor for bf16 in the
+generic build (measured with ``ATEN_CPU_CAPABILITY=default``); on other
+instruction sets (ARM) none is assumed, not measured. There,
 a call of at least ``DENSE_MIN_TOKENS`` tokens (prefill, lm-eval, perplexity,
 calibration) multiplies the activations, rounded to the compute dtype as the
 kernel takes them, by the dequantized weight in fp32 (the kernel's own
@@ -95,9 +97,11 @@ DENSE_MIN_TOKENS = 4
 
 def kernel_fast(dtype: torch.dtype) -> bool:
     """Whether ATen's CPU weight-only kernels are vectorized for activations
-    of ``dtype`` here: bf16 where oneDNN has bf16 matmul; fp16 and fp32 never
-    (40-100x slower than the bf16 path at 512 tokens on an AVX-512 BF16 CPU)."""
-    return dtype == torch.bfloat16 and hardware.cpu_native_matmul(torch.bfloat16)
+    of ``dtype`` here: bf16 where ATen dispatches its AVX2 or AVX-512 kernels
+    (:func:`quantlab.hardware.cpu_vector_isa`); fp16 and fp32 never (40-100x
+    slower than the bf16 path at 512 tokens on an AVX-512 CPU, as slow with
+    ATen's generic kernels; ``benchmarks/prefill_path.py``)."""
+    return dtype == torch.bfloat16 and hardware.cpu_vector_isa() in ("AVX2", "AVX512")
 
 
 def dense_path(tokens: int, dtype: torch.dtype) -> bool:
