@@ -33,7 +33,10 @@ def code_version() -> str:
 
 
 def host() -> str:
-    """Readable host fingerprint: CPU model, cores, torch threads, GPU and driver."""
+    """Readable host fingerprint: CPU model, cores, torch threads, the CPU
+    kernels' instruction set (ATen's build, whether oneDNN multiplies bf16:
+    lowered by ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA``, which change
+    timings as another CPU would), GPU and driver."""
     gpu = hardware.cuda(0)
     driver = ""
     if gpu is not None:
@@ -44,7 +47,9 @@ def host() -> str:
             driver = f" driver {pynvml.nvmlSystemGetDriverVersion()}"
         except Exception:  # noqa: BLE001 - pynvml raises its own error types; the name still identifies the GPU
             driver = ""
-    return (f"{hardware.cpu_name()} x{os.cpu_count()} cores, {torch.get_num_threads()} threads; "
+    bf16 = "yes" if hardware.cpu_native_matmul(torch.bfloat16) else "no"
+    return (f"{hardware.cpu_name()} x{os.cpu_count()} cores, {torch.get_num_threads()} threads, "
+            f"ATen {hardware.cpu_vector_isa()}, oneDNN bf16 {bf16}; "
             f"gpu {gpu.name + driver if gpu else 'none'}")
 
 

@@ -1,6 +1,8 @@
 """Latency probe details: grid, repetition rule, stage breakdown, roofline, energy."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -51,7 +53,7 @@ def test_repeats_until_count_and_duration(tiny, monkeypatch, repeats, min_second
         return latency.RequestTiming(tokenize_ms=0.0, prefill_ms=90.0, ttft_ms=90.0, step_ms=[10.0])
 
     monkeypatch.setattr(latency, "run_request", request)
-    monkeypatch.setattr(latency.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(latency, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     cfg = LatencyProbeConfig(prompt_tokens=8, new_tokens=1, repeats=repeats, min_seconds=min_seconds,
                              max_repeats=max_repeats, warmup=1)
     metrics, runs = latency.measure_cell(TorchEngine(model), tok, corpus.prompt_text(tok, 8), cfg, 1, 8)

@@ -164,6 +164,24 @@ def test_the_vector_isa_follows_atens_cap():
     assert out.strip() == "DEFAULT"
 
 
+def test_a_lowered_kernel_isa_is_another_host(monkeypatch):
+    """Timings taken with ATen or oneDNN capped below the CPU are not the
+    CPU's own: the fingerprint (and so host.id, which guards reuse of
+    timings) names both."""
+    from quantlab import provenance
+
+    native = provenance.host()
+    assert f"ATen {hardware.cpu_vector_isa()}" in native
+    monkeypatch.setattr(hardware, "cpu_vector_isa", lambda: "DEFAULT")
+    capped = provenance.host()
+    assert "ATen DEFAULT" in capped and provenance.host_id(capped) != provenance.host_id(native)
+    monkeypatch.setattr(hardware, "cpu_native_matmul", lambda d: True)
+    with_bf16 = provenance.host()
+    monkeypatch.setattr(hardware, "cpu_native_matmul", lambda d: d == torch.float32)
+    assert "oneDNN bf16 yes" in with_bf16 and "oneDNN bf16 no" in provenance.host()
+    assert provenance.host_id(with_bf16) != provenance.host_id()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_linears_widen_only_where_the_cpu_has_no_native_matmul(monkeypatch, tiny, dtype):
     """A model in a half dtype this CPU cannot multiply natively: its plain
