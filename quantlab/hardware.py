@@ -51,10 +51,12 @@ def cpu_vector_isa() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+@functools.cache
 def cpu_native_matmul(dtype: torch.dtype) -> bool:
     """Whether a matmul in ``dtype`` runs vectorized on this CPU: fp32 always;
-    bf16 and fp16 where oneDNN takes them (its own check, which reads the CPU:
-    bf16 from AVX-512 up, fp16 with AVX512-FP16 or AMX-FP16). Elsewhere
+    bf16 and fp16 where oneDNN takes them (its own check, which reads the CPU
+    or the ISA ``ONEDNN_MAX_CPU_ISA`` caps it to: bf16 from AVX-512 up, fp16
+    with AVX512-FP16 or AMX-FP16). Elsewhere
     PyTorch falls back to a generic loop (bf16 on AVX2: a 32-token prefill
     544 ms against int8's 165 ms, docs/results/2026-12-01-epyc-avx2.md)."""
     if dtype == torch.bfloat16:
