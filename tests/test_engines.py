@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlflow.tracking import MlflowClient
 
 from quantlab import models
@@ -51,6 +53,37 @@ def test_torch_engine_logits_and_decode_match_the_model(tiny):
     assert eng.cannot("cache") == "" and "compiled" in TorchEngine(model, compiled=True).cannot("stages")
     with pytest.raises(ValueError, match="unknown capability 'warp'; valid: cache, stages"):
         eng.cannot("warp")
+
+
+@settings(max_examples=12, deadline=None)
+@given(first=st.integers(0, 10), batch=st.integers(1, 3))
+def test_scoring_from_a_later_position_is_the_tail_of_full_scoring(tiny, first, batch):
+    """``token_logprobs(ids, first)`` is ``token_logprobs(ids)`` from ``first``
+    on, on the torch engine (whose head then runs on those positions only) and
+    on an engine that inherits the default (every logit, then trimmed)."""
+    from tests.fake_engine import FakeEngine
+
+    model, _ = tiny
+    ids = torch.randint(0, 256, (batch, 12), generator=torch.Generator().manual_seed(first))
+    full_lp, full_top = TorchEngine(model).token_logprobs(ids)
+    for eng in (TorchEngine(model), FakeEngine(model)):
+        lp, top = eng.token_logprobs(ids, first)
+        assert lp.shape == (batch, 11 - first)
+        torch.testing.assert_close(lp, full_lp[:, first:], rtol=1e-5, atol=1e-5)
+        assert torch.equal(top, full_top[:, first:])
+
+
+def test_the_head_runs_on_the_scored_positions_only(tiny):
+    model, _ = tiny
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[:-1].numel()))
+    try:
+        TorchEngine(model).token_logprobs(torch.zeros(2, 12, dtype=torch.long), 8)
+    finally:
+        hook.remove()
+    assert rows == [2 * 3]
+    with pytest.raises(ValueError, match=r"first=11 must lie in \[0, 11\)"):
+        TorchEngine(model).token_logprobs(torch.zeros(2, 12, dtype=torch.long), 11)
 
 
 def test_a_new_engine_in_one_file_is_probed_and_logged(tmp_path):

@@ -62,15 +62,25 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def logits(self, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def token_logprobs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``ids: [B, T]`` -> ``(logp, top1)``, both ``[B, T - 1]``: the
-        log-probability of each actual next token ``ids[:, 1:]`` (float64) and
-        whether it was the most likely one. All perplexity and log-likelihood
-        scoring goes through here; from :meth:`logits` unless an engine scores
-        otherwise (a server that returns the actual token's log-probability)."""
-        logp = torch.log_softmax(self.logits(ids[:, :-1]).float(), dim=-1).cpu()
-        nxt = ids[:, 1:, None].to(logp.device)
-        return logp.gather(-1, nxt)[..., 0].double(), logp.argmax(-1) == ids[:, 1:]
+    def token_logprobs(self, ids: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids: [B, T]`` -> ``(logp, top1)``, both ``[B, T - 1 - first]``:
+        the log-probability of each actual next token ``ids[:, 1 + first:]``
+        (float64) and whether it was the most likely one. All perplexity and
+        log-likelihood scoring goes through here; from :meth:`tail_logits`
+        unless an engine scores otherwise (a server that returns the actual
+        token's log-probability). ``first`` skips the predictions a caller
+        will not read (a batch's contexts, where only continuations are
+        scored): their logits need not be computed."""
+        if not 0 <= first < ids.shape[1] - 1:
+            raise ValueError(f"first={first} must lie in [0, {ids.shape[1] - 1}) for {ids.shape[1]} tokens")
+        logp = torch.log_softmax(self.tail_logits(ids[:, :-1], ids.shape[1] - 1 - first).float(), dim=-1).cpu()
+        nxt = ids[:, 1 + first:, None].to(logp.device)
+        return logp.gather(-1, nxt)[..., 0].double(), logp.argmax(-1) == ids[:, 1 + first:]
+
+    def tail_logits(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """The logits of the last ``n`` positions of ``ids: [B, T]``
+        (``[B, n, V]``); engines that can leave the others uncomputed override."""
+        return self.logits(ids)[:, ids.shape[1] - n:]
 
     def topk_logprobs(self, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``ids: [1, T]`` -> ``(values, token ids)``, both ``[T, k]``, best

@@ -86,6 +86,15 @@ class TorchEngine(Engine):
         return self.model(input_ids=ids.to(self._device), use_cache=False).logits.float()
 
     @torch.inference_mode()
+    def tail_logits(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """The model's own forward with ``logits_to_keep=n``: the head (and
+        any logit scaling the model applies after it) runs on the last ``n``
+        positions only."""
+        if n < 1:
+            raise ValueError(f"n={n}: at least one position")
+        return self.model(input_ids=ids.to(self._device), use_cache=False, logits_to_keep=n).logits.float()
+
+    @torch.inference_mode()
     def decode(self, prompt: torch.Tensor, n_new: int, clock: Clock | None = None,
                choose=greedy, record=None) -> Decoded:
         cache = self.request_cache(prompt.shape[0])

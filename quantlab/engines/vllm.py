@@ -74,16 +74,17 @@ class VllmEngine(Engine):
                 out[b, t, idx] = torch.tensor([v for v, _ in dist.values()], dtype=torch.float32)
         return out
 
-    def token_logprobs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logprobs(self, ids: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """From the server's prompt log-probabilities (``k = 1``: the actual
-        token always comes back with its rank)."""
+        token always comes back with its rank); the server scores every
+        position, ``first`` only trims what is returned."""
         logp = torch.empty(ids.shape[0], ids.shape[1] - 1, dtype=torch.float64)
         top1 = torch.empty(logp.shape, dtype=torch.bool)
         for b, row in enumerate(ids.tolist()):
             for t, dist in enumerate(self.server.prompt_logprobs(row, 1, last=False)):
                 logp[b, t], rank = dist[row[t + 1]]
                 top1[b, t] = rank == 1
-        return logp, top1
+        return logp[:, first:], top1[:, first:]
 
     def topk_logprobs(self, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.topk and k > self.topk:
