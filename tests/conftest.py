@@ -21,7 +21,8 @@ from quantlab.cli import CONF_DIR
 from quantlab.compose import register_configs
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data"
+# the benchmark data: where QUANTLAB_DATA_DIR points (as .ci/run sets it), else ../shared/data
+SHARED_DATA = Path(os.environ.get("QUANTLAB_DATA_DIR") or REPO.parent / "shared" / "data")
 
 
 def compose_cfg(overrides: list[str] | None = None, to_object: bool = True):

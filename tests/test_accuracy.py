@@ -15,7 +15,7 @@ from quantlab.errors import UserError
 from quantlab.probes import accuracy, perplexity
 from tests.conftest import SHARED_DATA, run_cli
 
-needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data not present")
+needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="no benchmark data (QUANTLAB_DATA_DIR or ../shared/data)")
 
 
 @pytest.fixture(scope="module")

@@ -214,7 +214,7 @@ print(json.dumps(perplexity.token_perplexity(eng, wins)))
 """
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="WikiText-2 lives in ../shared/data")
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="WikiText-2 lives in QUANTLAB_DATA_DIR or ../shared/data")
 @pytest.mark.parametrize("model_args,tol", [
     pytest.param(TINY, 1e-3, id="tiny"),
     pytest.param(["model=smollm2-135m"], 2e-2, id="smollm2", marks=pytest.mark.slow),
