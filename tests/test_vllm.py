@@ -61,6 +61,10 @@ def test_client_reads_prompt_logprobs_and_streams(tmp_path):
         lp, top1 = eng.token_logprobs(ids)
         assert top1.tolist() == [[True, False, True]]
         assert lp[0, 0] == pytest.approx(math.log(0.5)) and lp[0, 1] == pytest.approx(math.log(0.5 / 15))
+        tail, tail_top1 = eng.token_logprobs(ids, 1)  # the server scores all; the engine trims
+        assert torch.equal(tail, lp[:, 1:]) and torch.equal(tail_top1, top1[:, 1:])
+        with pytest.raises(ValueError, match=r"first=3 must lie in \[0, 3\)"):
+            eng.token_logprobs(ids, 3)
         vals, idx = eng.topk_logprobs(ids, 3)
         assert idx[:, 0].tolist() == [4, 5, 10, 11] and vals.shape == (4, 3)
         d = eng.decode(ids, 5)

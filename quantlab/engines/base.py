@@ -21,6 +21,12 @@ from quantlab.decode import Clock, Decoded, greedy
 CAPABILITIES = ("cache", "stages", "roofline", "energy", "batch", "continuous", "logits")
 
 
+def check_first(ids: torch.Tensor, first: int) -> None:
+    """:meth:`Engine.token_logprobs`'s ``first`` is a prediction of ``ids``: in ``[0, T - 1)``."""
+    if not 0 <= first < ids.shape[1] - 1:
+        raise ValueError(f"first={first} must lie in [0, {ids.shape[1] - 1}) for {ids.shape[1]} tokens")
+
+
 class Engine(abc.ABC):
     """A loaded, ready-to-time model.
 
@@ -71,8 +77,7 @@ class Engine(abc.ABC):
         token's log-probability). ``first`` skips the predictions a caller
         will not read (a batch's contexts, where only continuations are
         scored): their logits need not be computed."""
-        if not 0 <= first < ids.shape[1] - 1:
-            raise ValueError(f"first={first} must lie in [0, {ids.shape[1] - 1}) for {ids.shape[1]} tokens")
+        check_first(ids, first)
         logp = torch.log_softmax(self.tail_logits(ids[:, :-1], ids.shape[1] - 1 - first).float(), dim=-1).cpu()
         nxt = ids[:, 1 + first:, None].to(logp.device)
         return logp.gather(-1, nxt)[..., 0].double(), logp.argmax(-1) == ids[:, 1 + first:]

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from quantlab.decode import Clock, Decoded, greedy
-from quantlab.engines.base import CAPABILITIES, Engine
+from quantlab.engines.base import CAPABILITIES, Engine, check_first
 from quantlab.errors import UserError
 from quantlab.serving.vllm_server import ServerArgs, VllmPolicy, VllmServer
 
@@ -78,6 +78,7 @@ class VllmEngine(Engine):
         """From the server's prompt log-probabilities (``k = 1``: the actual
         token always comes back with its rank); the server scores every
         position, ``first`` only trims what is returned."""
+        check_first(ids, first)
         logp = torch.empty(ids.shape[0], ids.shape[1] - 1, dtype=torch.float64)
         top1 = torch.empty(logp.shape, dtype=torch.bool)
         for b, row in enumerate(ids.tolist()):
