@@ -76,16 +76,26 @@ def render(m: dict[tuple[str, str, str], tuple[str, str]]) -> str:
     return "\n".join(lines + ["", *notes]) + "\n"
 
 
+def _capability(text: str) -> tuple[int, int]:
+    """``9.0`` -> ``(9, 0)``; anything else is argparse's one-line error (exit 2)."""
+    import argparse
+
+    major, dot, minor = text.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: a CUDA compute capability MAJOR.MINOR, e.g. 9.0")
+    return int(major), int(minor)
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m quantlab.capabilities")
-    ap.add_argument("--assume-cuda", help="add a column for a CUDA GPU of this capability, e.g. 9.0")
+    ap.add_argument("--assume-cuda", type=_capability, metavar="MAJOR.MINOR",
+                    help="add a column for a CUDA GPU of this capability, e.g. 9.0")
     args = ap.parse_args(argv)
     m = matrix()
     if args.assume_cuda:
-        major, minor = (int(x) for x in args.assume_cuda.split("."))
-        m.update(assumed_cuda((major, minor)))
+        m.update(assumed_cuda(args.assume_cuda))
     print(render(m))
 
 

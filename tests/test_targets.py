@@ -359,3 +359,13 @@ def test_static_cache_is_allocated_once_outside_the_graph_and_reset_per_request(
     assert torch.equal(tokens(eng), first) and torch.equal(first, tokens(ref))
     assert [t.data_ptr() for t in tensors] == ptrs and eng.request_cache(2) is cache
     assert eng.request_cache(1) is not cache  # one cache per batch size
+
+
+def test_capabilities_refuses_a_bad_capability_in_one_line(capsys):
+    from quantlab import capabilities
+
+    assert capabilities._capability("9.0") == (9, 0)
+    with pytest.raises(SystemExit) as e:
+        capabilities.main(["--assume-cuda", "abc"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].endswith("'abc': a CUDA compute capability MAJOR.MINOR, e.g. 9.0")
