@@ -203,6 +203,32 @@ def test_knee_lower_bound_falls_back_when_a_rate_passes_by_a_hair():
     assert knee.find(rows, [far, far], 500, None, boot=0).lower == 2.0
 
 
+@given(n=st.integers(1, 300), seed=st.integers(0, 10**6))
+@settings(max_examples=40, deadline=None)
+def test_block_bootstrap_keeps_neighbouring_requests_together(n, seed):
+    """A moving-block draw is made of runs of ceil(n^(1/3)) consecutive
+    requests (wrapping), n values in all: neighbours that shared a queue stay
+    neighbours."""
+    a = np.arange(n)
+    draw = knee.block_resample(np.random.default_rng(seed), a)
+    b = math.ceil(n ** (1 / 3))
+    assert draw.size == n
+    for block in np.array_split(draw, range(b, n, b)):
+        assert all((y - x) % n == 1 for x, y in zip(block, block[1:]))
+
+
+def test_a_queue_of_slow_neighbours_widens_the_knee_bound():
+    """Slow requests in one run (a stall that delayed the next ones) are a
+    rarer draw for blocks than for independent resampling: the lower bound
+    at a stricter alpha (Bonferroni over policies) is never above the plain one."""
+    rows = [_rate(1.0, completed=60), _rate(2.0, completed=60)]
+    stall = np.r_[np.full(54, 100.0), np.full(6, 900.0)]  # 6 consecutive requests over a 500 ms SLO: P90 ~ 100
+    pair = [(np.full(60, 100.0), np.full(60, 5.0)), (stall, np.full(60, 5.0))]
+    plain = knee.find(rows, pair, 500, None, alpha=0.05)
+    strict = knee.find(rows, pair, 500, None, alpha=0.05 / 3)
+    assert plain.rps == 2.0 and strict.lower <= plain.lower
+
+
 def test_csv_round_trip():
     reqs = [_req(0, 0.0, 0.1, 0.01, 3), _req(1, 1.0, 1.1, 0.01, 3)]
     row = {"policy": "dynamic", **load.summarize(reqs, 1.0, "", 6, 1.0, 1.0, 150, 20)}
@@ -325,6 +351,9 @@ def test_serving_sweep_logs_the_load_table_and_the_report_section(tmp_path):
     assert plain.data.metrics["load/knee_rps_lower"] == plain.data.metrics[f"load/{best}/knee_rps_lower"] == max(
         plain.data.metrics[f"load/{p}/knee_rps_lower"] for p in ("continuous", "dynamic", "passthrough"))
     assert plain.data.metrics["load/knee_rps"] >= plain.data.metrics["load/knee_rps_lower"]
+    # the best of 3 policies (2 for kv8: continuous skipped) is picked by its bound: each bounded at 5 % / policies
+    assert plain.data.metrics["load/knee_alpha"] == pytest.approx(0.05 / 3)
+    assert kv8.data.metrics["load/knee_alpha"] == pytest.approx(0.05 / 2)
     assert {plain.data.metrics[f"load/{p}/knee_percentile"] for p in ("continuous", "dynamic")} == {90.0}  # < 100
     assert all(r["tpot_ms_p90"] <= r["tpot_ms_p99"] for r in rows if r["completed"] > 1)
     text = report.build(client, exp, parent.info.run_id, log_to_run=False, out_dir=tmp_path / "rep")

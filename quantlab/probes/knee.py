@@ -13,14 +13,20 @@ the server sustained, not the one the generator aimed at (a Poisson draw of
 The tail percentile is P99 when every rate completed at least ``P99_MIN``
 requests (below that numpy's P99 interpolates into the sample maximum), else
 P90; the percentile used is logged. The pessimistic bound resamples each
-rate's completed requests (bootstrap, ``BOOT`` draws) and walks the rates
-again: its ``1 - uncertainty.LEVEL`` quantile is the capacity a report can
-promise at the decision's level, as the loss rule uses the upper bound of a
-loss. The achieved rates themselves are not resampled: they are what the
-server did.
+rate's completed requests and walks the rates again: its ``alpha`` quantile
+is the capacity a report can promise at that level, as the loss rule uses
+the upper bound of a loss. Requests that follow each other share a queue (a
+slow one delays the next), so the resampling is a circular moving-block
+bootstrap (Kunsch 1989; blocks of ``ceil(n ** (1/3))`` consecutive
+requests, ``BOOT`` draws), not one of independent requests. Where the
+probe picks the best of several policies by this bound, each policy's bound
+is taken at ``alpha / policies`` (Bonferroni), so the one picked still holds
+at ``alpha``. The achieved rates themselves are not resampled: they are what
+the server did.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,7 +44,7 @@ BOOT = 1000
 @dataclass(frozen=True)
 class Knee:
     rps: float  # highest achieved rate of the rates that passed in a row from the lowest; 0 if the lowest failed
-    lower: float  # its one-sided LEVEL lower bound (bootstrap over each rate's requests)
+    lower: float  # its one-sided 1 - alpha lower bound (moving-block bootstrap over each rate's requests)
     percentile: int  # the tail percentile judged against the SLOs: 99 or 90
     passed: int  # rates passed in a row from the lowest
     why: str  # why the next rate failed ('' when every rate passed)
@@ -68,10 +74,24 @@ def _fails(row: dict, ttft: np.ndarray, tpot: np.ndarray, q: int, slo_ttft_ms, s
     return ""
 
 
+def block_resample(rng: np.random.Generator, a: np.ndarray) -> np.ndarray:
+    """A circular moving-block bootstrap draw of ``a`` (in arrival order):
+    blocks of ``ceil(n ** (1/3))`` consecutive values from random starts,
+    wrapping at the end, cut to ``n``."""
+    n = a.size
+    if n == 0:
+        return a
+    b = max(1, math.ceil(n ** (1 / 3)))
+    starts = rng.integers(0, n, math.ceil(n / b))
+    return a[((starts[:, None] + np.arange(b)) % n).ravel()[:n]]
+
+
 def find(rows: list[dict], samples: list[tuple[np.ndarray, np.ndarray]], slo_ttft_ms: float | None,
-         slo_tpot_ms: float | None, seed: int = 0, boot: int = BOOT) -> Knee:
+         slo_tpot_ms: float | None, seed: int = 0, boot: int = BOOT,
+         alpha: float = 1 - uncertainty.LEVEL) -> Knee:
     """The knee of one policy's rates: ``rows`` (the load table's, any
-    order) and ``samples[i]``, the :func:`latencies` of ``rows[i]``'s requests."""
+    order) and ``samples[i]``, the :func:`latencies` of ``rows[i]``'s
+    requests in arrival order; its lower bound one-sided at ``1 - alpha``."""
     if not rows:
         return Knee(0.0, 0.0, 90, 0, "no rates")
     order = sorted(range(len(rows)), key=lambda i: rows[i]["offered_rps"])
@@ -89,7 +109,7 @@ def find(rows: list[dict], samples: list[tuple[np.ndarray, np.ndarray]], slo_ttf
     rng = np.random.default_rng(seed)
 
     def resample(i: int) -> tuple[np.ndarray, np.ndarray]:
-        return tuple(rng.choice(a, a.size) if a.size else a for a in samples[i])
+        return tuple(block_resample(rng, a) for a in samples[i])
 
-    lower = float(np.quantile([walk(resample)[0] for _ in range(boot)], 1 - uncertainty.LEVEL)) if boot else rps
+    lower = float(np.quantile([walk(resample)[0] for _ in range(boot)], alpha)) if boot else rps
     return Knee(rps, min(lower, rps), q, n, why)

@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from quantlab import uncertainty
 from quantlab.config import LoadProbeConfig, check_choice, choices
 from quantlab.probes import knee
 from quantlab.serving.policies import Policy, cannot, make_policy
@@ -213,6 +214,9 @@ def _measure(engine, prompts, cfg, bytes_per_step, peak_bytes_per_s, seed, progr
     metrics["load/prompt_tokens_max"] = float(max(lengths))
     limits = Limits(cfg.max_backlog, cfg.drain_s)
     rows: list[dict] = []
+    # the best policy is picked by its lower bound: each is bounded at alpha / policies (Bonferroni)
+    alpha = (1 - uncertainty.LEVEL) / max(1, sum(not cannot(n, engine) for n in cfg.policies))
+    metrics["load/knee_alpha"] = alpha
     for name in cfg.policies:
         if why := cannot(name, engine):
             tags[f"load.{name}.skipped"] = why
@@ -245,7 +249,7 @@ def _measure(engine, prompts, cfg, bytes_per_step, peak_bytes_per_s, seed, progr
                          f"{row.get('ttft_ms_p99', math.nan):.0f} ms, TPOT p99 {row.get('tpot_ms_p99', math.nan):.1f} ms"
                          + (f" [{stopped}]" if stopped else ""))
             rows += mine
-            k = knee.find(mine, samples, cfg.slo.ttft_ms, cfg.slo.tpot_ms, seed)
+            k = knee.find(mine, samples, cfg.slo.ttft_ms, cfg.slo.tpot_ms, seed, alpha=alpha)
             metrics.update({f"load/{name}/knee_rps": k.rps, f"load/{name}/knee_rps_lower": k.lower,
                             f"load/{name}/knee_percentile": float(k.percentile),
                             f"load/{name}/knee_rates_passed": float(k.passed)})
