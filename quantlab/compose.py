@@ -16,10 +16,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from quantlab import targets
-from quantlab.config import ModelConfig, ProbeConfig, RunConfig, SchemeConfig, TrackingConfig
+from quantlab.config import DecisionConfig, ModelConfig, ProbeConfig, RunConfig, SchemeConfig, TrackingConfig
 from quantlab.schemes import registry
 
-_PLAIN = ("model", "probe", "tracking")  # dataclass slots: their fields alone
+_PLAIN = ("model", "probe", "tracking", "decision")  # dataclass slots: their fields alone
 _POLY = ("scheme", "target")  # polymorphic slots: their type name under "type"
 
 
@@ -77,4 +77,5 @@ def config_from_dict(d: dict[str, Any]) -> RunConfig:
     return RunConfig(model=typed(ModelConfig, d["model"]),
                      scheme=SchemeConfig(weights=poly(d["scheme"]["weights"]), kv=poly(d["scheme"]["kv"])),
                      target=poly(d["target"]), probe=typed(ProbeConfig, d["probe"]),
-                     tracking=typed(TrackingConfig, d["tracking"]), **rest)
+                     tracking=typed(TrackingConfig, d["tracking"]),
+                     decision=typed(DecisionConfig, d.get("decision", {})), **rest)

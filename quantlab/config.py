@@ -100,6 +100,9 @@ class LatencyProbeConfig:
 @dataclass
 class FidelityProbeConfig:
     """KL divergence and top-1 agreement against the reference model's logits.
+    ``tokens`` in all, over ``windows`` windows drawn at random (seeded) within
+    the corpus's articles, each scored on its own: fewer than 8 windows give
+    no bound (:mod:`quantlab.uncertainty`).
     ``parity``: on targets that serve an exported file (llamacpp, vllm), the
     same statistics against quantlab's in-memory point (``parity/*``) and the
     common prefix of ``parity_tokens`` greedy tokens: the artifact measured is
@@ -107,7 +110,9 @@ class FidelityProbeConfig:
 
     enabled: bool = True
     corpus: str = "builtin"
-    tokens: int = field(default=256, metadata={"min": 2})
+    tokens: int = field(default=512, metadata={"min": 2})
+    # tokens // windows a window, drawn at random within the corpus's articles: the unit of its bounds
+    windows: int = field(default=8, metadata={"min": 1})
     reference_dtype: str = "float32"
     topk: int = field(default=20, metadata={"min": 1})  # engines that return only their top k (vllm)
     parity: bool = True
@@ -146,8 +151,10 @@ ADAPTIVE_TASKS = ("arc_easy_local", "arc_challenge_local", "piqa_local", "hellas
 class PerplexityProbeConfig:
     """Token-level WikiText-2 perplexity over ``window``-token windows.
 
-    ``adaptive``: score ``adaptive_chunk`` windows a look, up to
-    ``max_windows`` (the cap), and stop once each of ``adaptive_budgets``
+    ``max_windows`` windows drawn at random within articles (the unit of
+    sampling; None: every window of the split in text order, GPTQ's design).
+    ``adaptive``: score ``adaptive_chunk`` windows a look (the first look at
+    8), up to ``max_windows`` (the cap), and stop once each of ``adaptive_budgets``
     (relative losses, as the report's budgets) is decided against the
     reference model at ``adaptive_alpha`` (an anytime-valid bound, see
     :mod:`quantlab.sequential`). Points with 16- or 32-bit float weights
@@ -157,7 +164,8 @@ class PerplexityProbeConfig:
     window: int = field(default=2048, metadata={"min": 2})
     max_windows: Optional[int] = field(default=None, metadata={"min": 1})  # None: the whole test split
     adaptive: bool = False
-    adaptive_chunk: int = field(default=1, metadata={"min": 1})
+    # looks at 8 windows (the fewest a bound is given from), then every 4: few looks, little error spent on each
+    adaptive_chunk: int = field(default=4, metadata={"min": 1})
     adaptive_budgets: list[float] = field(default_factory=lambda: [0.01, 0.05], metadata={"above": 0})
     # 5 % shared by up to 10 points (Holm's strictest step): a point stopped as within a budget qualifies there
     adaptive_alpha: float = field(default=0.005, metadata={"above": 0})
@@ -268,6 +276,20 @@ class TrackingConfig:
 
 
 @dataclass
+class DecisionConfig:
+    """What the sweep's report decides, declared before any point runs (the
+    parent run records it at launch; a report or export with other choices
+    says "post hoc"): ``metric`` (``auto``: perplexity where measured, else
+    an accuracy, else top-1 agreement), ``budgets`` (relative losses, or KL
+    values for a KL metric) and ``alpha``, the family-wise error of each
+    budget's family (Holm over the real points compared at that budget)."""
+
+    metric: str = "auto"
+    budgets: list[float] = field(default_factory=lambda: [0.01, 0.05], metadata={"above": 0})
+    alpha: float = field(default=0.05, metadata={"above": 0})
+
+
+@dataclass
 class RunConfig:
     """One sweep point: everything ``pipeline.run_point`` needs."""
 
@@ -276,6 +298,7 @@ class RunConfig:
     target: Any = MISSING
     probe: ProbeConfig = MISSING
     tracking: TrackingConfig = MISSING
+    decision: DecisionConfig = field(default_factory=DecisionConfig)
     seed: int = field(default=0, metadata={"min": 0})
     cache_dir: str = "~/.cache/quantlab"
     data_dir: Optional[str] = None
@@ -311,6 +334,11 @@ def validate(cfg: Any, path: str = "") -> None:
         raise ValueError(f"{path}adaptive=true (or probe.adaptive=true): {', '.join(odd)} cannot be scored "
                          f"adaptively (its per-document values are not 0/1 scores); adaptive tasks: "
                          f"{', '.join(ADAPTIVE_TASKS)}")
+    if isinstance(cfg, DecisionConfig) and not cfg.alpha < 1:
+        raise ValueError(f"{path}alpha={cfg.alpha}: an error rate, below 1")
+    if isinstance(cfg, FidelityProbeConfig) and cfg.tokens // cfg.windows < 2:
+        raise ValueError(f"{path}tokens={cfg.tokens} over {path}windows={cfg.windows}: each window needs >= 2 "
+                         f"tokens")
     if isinstance(cfg, LatencyProbeConfig) and cfg.max_repeats < cfg.repeats:
         raise ValueError(f"{path}max_repeats={cfg.max_repeats}: must be >= {path}repeats ({cfg.repeats})")
     for f in dataclasses.fields(cfg):
@@ -342,7 +370,8 @@ def probe_context(p: ProbeConfig) -> tuple[int, str]:
     asks = [(max([lat.prompt_tokens, *lat.grid_prompt_tokens]) + lat.new_tokens,
              "probe.latency (prompt_tokens + new_tokens)")]
     if p.fidelity.enabled:
-        asks.append((p.fidelity.tokens + 1, f"probe.fidelity.tokens={p.fidelity.tokens}"))
+        asks.append((p.fidelity.tokens // p.fidelity.windows + 1, f"probe.fidelity.tokens={p.fidelity.tokens} "
+                                                                    f"over {p.fidelity.windows} windows"))
     if p.perplexity.enabled:
         asks.append((p.perplexity.window, f"probe.perplexity.window={p.perplexity.window}"))
     if p.cache.enabled:

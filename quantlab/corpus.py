@@ -5,12 +5,15 @@ import re
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from quantlab.errors import UserError
 
 CORPORA = ("auto", "builtin", "wikitext2")
 WIKITEXT = ("wikitext-2-raw", "wiki.test.raw")
+# a WikiText article's title line (" = Title = "), not a section's (" = = Section = = ")
+TITLE = re.compile(r"^ = [^=].* = $", re.M)
 
 
 def resolve(name: str, data_dir: str | None) -> str:
@@ -53,6 +56,31 @@ def token_ids(tokenizer, corpus: str, n_tokens: int, data_dir: str | None = None
         base = base[: 16 * n_tokens]  # enough text for n_tokens; skip tokenizing 1 MB
     _, ids = _repeat(tokenizer, base, n_tokens)
     return torch.tensor([ids[:n_tokens]], dtype=torch.long)
+
+
+def articles(raw: str) -> list[str]:
+    """``raw`` cut before each WikiText article title (the whole text where it
+    has none), blank pieces left out."""
+    starts = sorted({0, *(m.start() for m in TITLE.finditer(raw))})
+    return [raw[a:b] for a, b in zip(starts, [*starts[1:], len(raw)]) if raw[a:b].strip()]
+
+
+def random_windows(tokenizer, raw: str, window: int, n: int, seed: int) -> tuple[torch.Tensor, int]:
+    """``([n, window]`` ids, how many windows there were to draw from)``: the
+    non-overlapping ``window``-token windows inside each article of ``raw``
+    (:func:`articles`, each tokenized on its own: no window crosses an
+    article's end), ``n`` of them drawn at random without replacement
+    (``seed``), in draw order, so that any prefix is itself a random sample:
+    the unit a bound resamples and an adaptive look extends. Raises
+    :class:`UserError` when the text has fewer than ``n``."""
+    pieces = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in articles(raw)]
+    starts = [(i, s) for i, ids in enumerate(pieces) for s in range(0, len(ids) - window + 1, window)]
+    if len(starts) < n:
+        raise UserError(f"the text has {len(starts)} windows of {window} tokens inside its articles, fewer than "
+                        f"the {n} asked for: ask fewer or shorter windows")
+    order = np.random.default_rng(seed).permutation(len(starts))[:n]
+    return torch.tensor([pieces[i][s:s + window] for i, s in (starts[k] for k in order)], dtype=torch.long), \
+        len(starts)
 
 
 def paragraph_ids(tokenizer, corpus: str, data_dir: str | None, max_tokens: int, min_tokens: int,

@@ -10,17 +10,23 @@ reference, and the value itself for KL divergence.
 Bounds, each one-sided at ``uncertainty.LEVEL`` (see :mod:`quantlab.uncertainty`):
 - both runs logged per-item values (``items.json``) on the same items:
   accuracies by Tango's score bound on the paired documents, perplexities by
-  the t-interval on block means of the paired per-token NLL differences;
+  the t-interval on the window means of the paired per-token NLL differences
+  (the window is the unit; fewer than ``uncertainty.MIN_UNITS`` windows: no
+  bound, "cannot tell");
 - without them, where both runs logged standard errors: the unpaired normal
   bound (``"unpaired"``: wider than a paired one would be);
-- KL and top-1 from the point's own fidelity statistics (block standard
-  errors; top-1 by Wilson's score bound at the effective n, t on the blocks);
-- else the estimate alone (``bounded`` false: the report says so).
-The baseline's own loss is exactly 0.
+- KL and top-1 from the point's own fidelity statistics (window standard
+  errors; top-1 by Wilson's score bound at the effective n, t on the
+  windows; fewer than ``MIN_UNITS`` windows: no bound);
+- else the estimate alone (``bounded`` false: p = 1, never a pick).
+The baseline's own loss is exactly 0, and so is the fidelity loss of a point
+whose log-probabilities equal the reference's on every position
+(``fid/identical``: shown by its outputs, not assumed from its scheme).
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from quantlab import sequential, uncertainty
@@ -33,6 +39,7 @@ TOKEN_ITEMS = ("ppl_token_wikitext2_w",)  # per-item values are consecutive toke
 KL = ("fid/kl", "kvfid/kl")
 # logged beside a metric, not metrics
 AUXILIARY = ("_windows", "_documents", "_stderr", "_stderr_tokens", "_blocks", "_adaptive_cap", "_adaptive_chunk")
+IDENTICAL = "fid/identical"  # 1.0: the point's log-probabilities equal the reference's on every position
 
 
 @dataclass(frozen=True)
@@ -75,13 +82,35 @@ def aligned(metric: str, items: dict, base_items: dict) -> tuple[list, list] | N
     return (a, b) if len(a) == len(b) else None
 
 
+def window_size(metric: str) -> int | None:
+    """The window length a perplexity metric's name says (``..._w256_rand16`` -> 256)."""
+    found = re.search(r"_w(\d+)(?:_|$)", metric)
+    return int(found.group(1)) if found else None
+
+
+def windows_of(metric: str, n_items: int) -> int:
+    """How many windows ``n_items`` per-token values of a perplexity metric
+    came from (``window - 1`` predicted tokens each); 0 where that does not divide."""
+    w = window_size(metric)
+    return n_items // (w - 1) if w and w > 1 and n_items % (w - 1) == 0 else 0
+
+
 def compare(metric: str, items: dict, base_items: dict) -> Paired | None:
     """Paired ``point - baseline`` on ``metric``'s items (token NLL for
-    perplexities, 0/1 for accuracies; see :func:`aligned`), or None."""
+    perplexities, the window the unit; 0/1 for accuracies; see
+    :func:`aligned`), or None."""
     pair = aligned(metric, items, base_items)
     if pair is None:
         return None
-    return paired(*pair, binary=metric.startswith(HIGHER_IS_BETTER), tokens=metric.startswith(TOKEN_ITEMS))
+    tokens = metric.startswith(TOKEN_ITEMS)
+    return paired(*pair, binary=metric.startswith(HIGHER_IS_BETTER), tokens=tokens,
+                  windows=(windows_of(metric, len(pair[0])) or 1) if tokens else 0)
+
+
+def _unit_text(units: int, what: str) -> str:
+    if units < uncertainty.MIN_UNITS:
+        return f"{units} {what}, fewer than {uncertainty.MIN_UNITS}: cannot tell"
+    return f"t on {units} {what}"
 
 
 def _clamp(f):
@@ -112,12 +141,13 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
     v = metrics.get(metric)
     if v is None:
         return None
+    if metric.startswith(KL + ("fid/top1_agree",)) and metrics.get(IDENTICAL) == 1.0:
+        return Loss(0.0, uncertainty.exact(0.0, "identical log-probabilities to the reference"), True)
     if metric.startswith(KL):
-        se, m = metrics.get(f"{metric}_stderr"), int(metrics.get("fid/blocks", 0))
+        se, m = metrics.get(f"{metric}_stderr"), int(metrics.get("fid/windows", 1))
         if se is None:
             return Loss(v, uncertainty.exact(v, "estimate only"), False)
-        return Loss(v, Bound(v, lambda a: uncertainty.t_upper(v, se, m, a),
-                             f"t on {m} blocks of positions" if m else "normal, per position"), True)
+        return Loss(v, Bound(v, lambda a: uncertainty.unit_upper(v, se, m, a), _unit_text(m, "windows")), True)
     if metric == "fid/top1_agree":
         return _top1(v, metrics)
     if is_base:
@@ -133,10 +163,13 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
         return _sequential_docs(metric, metrics, items, base_items, b)
     pair = compare(metric, items, base_items)
     if pair is not None and lower:  # mean per-item NLL difference = ln(PPL(point) / PPL(base))
-        unit = f"{pair.units} blocks of tokens" if metric.startswith(TOKEN_ITEMS) else f"{pair.units} documents"
+        if metric.startswith(TOKEN_ITEMS):
+            upper, unit = uncertainty.unit_upper, _unit_text(pair.units, "windows")
+        else:
+            upper, unit = uncertainty.t_upper, f"t on {pair.units} documents"
         return Loss(max(0.0, relative(pair.diff)),
                     Bound(relative(pair.diff), _clamp(lambda a: relative(
-                        uncertainty.t_upper(pair.diff, pair.stderr, pair.units, a))), f"paired t on {unit}"), True)
+                        upper(pair.diff, pair.stderr, pair.units, a))), f"paired {unit}"), True)
     if pair is not None:
         return Loss(max(0.0, -pair.diff / b), Bound(-pair.diff / b, _clamp(
             lambda a: uncertainty.tango_upper(pair.lost, pair.gained, pair.n, a) / b),
@@ -166,11 +199,13 @@ def _top1(agree: float, metrics: dict) -> Loss:
     se, n = metrics.get("fid/top1_agree_stderr"), metrics.get("fid/tokens")
     if se is None or not n:
         return Loss(lost, uncertainty.exact(lost, "estimate only"), False)
-    m = int(metrics.get("fid/blocks", 0))
+    m = int(metrics.get("fid/windows", 1))
     se_tok = metrics.get("fid/top1_agree_stderr_tokens", se)
     n_eff = n / max(1.0, (se / se_tok) ** 2) if se_tok > 0 else n
-    return Loss(lost, Bound(lost, lambda a: uncertainty.wilson_upper(lost, n_eff, a, m),
-                            f"Wilson score at effective n {n_eff:.0f} of {int(n)} positions, t on {m} blocks"), True)
+    bound = (lambda a: uncertainty.wilson_upper(lost, n_eff, a, m)) if m >= uncertainty.MIN_UNITS else \
+        (lambda _a: 1.0)
+    return Loss(lost, Bound(lost, bound, f"Wilson score at effective n {n_eff:.0f} of {int(n)} positions, "
+                                         + _unit_text(m, "windows")), True)
 
 
 def _sequential(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items: dict) -> Loss | None:
@@ -186,24 +221,24 @@ def _sequential(metric: str, metrics: dict, items: dict, base_metrics: dict, bas
     per_window = round(len(a) / metrics[f"{metric}_windows"])
     cap, chunk = int(design[f"{metric}_adaptive_cap"]), int(design[f"{metric}_adaptive_chunk"])
     common = min(len(a), len(b)) // per_window
-    looks = [n for n in sequential.schedule(cap, chunk) if n <= common]
+    looks = [n for n in sequential.schedule(cap, chunk, uncertainty.MIN_UNITS) if n <= common]
     if not looks:
         return None
-    pairs = {n: uncertainty.paired(a[:n * per_window], b[:n * per_window], tokens=True) for n in looks}
+    pairs = {n: uncertainty.paired(a[:n * per_window], b[:n * per_window], windows=n) for n in looks}
     diff = pairs[looks[-1]].diff
-    look_upper = lambda n, level: uncertainty.t_upper(pairs[n].diff, pairs[n].stderr, pairs[n].units, level)  # noqa: E731
+    look_upper = lambda n, level: uncertainty.unit_upper(pairs[n].diff, pairs[n].stderr, n, level)  # noqa: E731
     return Loss(max(0.0, relative(diff)), Bound(
         relative(diff), _clamp(lambda al: relative(sequential.upper(al, looks, cap, look_upper, diff))),
-        f"anytime-valid over {len(looks)} looks of {chunk} windows (cap {cap}), paired t on blocks of tokens"
+        f"anytime-valid over {len(looks)} looks of {chunk} windows (cap {cap}), paired t on windows"
         + _crossed(looks, cap, look_upper, diff)), True)
 
 
 def _crossed(looks, cap: int, look_upper, estimate: float) -> str:
     """A note where the looks' least bound fell below the final estimate at
-    the report's level (:func:`quantlab.sequential.upper` then takes the last look's)."""
+    the report's level (:func:`quantlab.sequential.upper` then reports the estimate)."""
     alpha = uncertainty.ALPHA
-    if sequential.upper(alpha, looks, cap, look_upper) < estimate:
-        return "; an early look's bound fell below the final estimate: the last look's bound is used"
+    if sequential.upper(alpha, looks, cap, look_upper, -math.inf) < estimate:
+        return "; an early look's bound fell below the final estimate: the estimate is the bound"
     return ""
 
 

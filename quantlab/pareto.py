@@ -5,7 +5,8 @@ cost is a latency or a memory figure, loss is KL divergence or a relative
 accuracy loss (1 - recovery). ``loss_upper`` is the loss's one-sided 95 %
 upper bound and ``p_value(budget)`` the p-value of "loss >= budget"; a budget
 is met by the points whose hypotheses Holm's step-down rule rejects across
-every real point compared at that budget (family-wise error <= 5 %).
+every real point compared at that budget (family-wise error <= 5 % per
+budget). A point without a bound (an estimate only) has p = 1: never a pick.
 """
 from __future__ import annotations
 
@@ -21,15 +22,15 @@ class Point:
     cost: float
     loss: float
     emulated: bool = False
-    loss_upper: float | None = None  # None: no uncertainty known, the estimate is the bound
-    p_value: Callable[[float], float] | None = None  # None: 0 when the bound is within the budget, else 1
+    loss_upper: float | None = None  # None: no bound known (an estimate only): never qualifies
+    p_value: Callable[[float], float] | None = None  # None: 0 when loss_upper is within the budget, else 1
     method: str = ""  # what the bound resamples, for the report
     contended: bool = False  # its cost was timed beside other work (inflated: a latency up, a capacity down)
 
     def p_at(self, budget: float) -> float:
         if self.p_value is not None:
             return self.p_value(budget)
-        return 0.0 if self.upper <= budget else 1.0
+        return 0.0 if self.loss_upper is not None and self.loss_upper <= budget else 1.0
 
     @property
     def upper(self) -> float:

@@ -276,7 +276,8 @@ def _reference(cfg: RunConfig, name: str, tok, m: Measurement):
         return None
     with _optional_probe("fidelity", name, m):
         m.tags["probe.fidelity.corpus"] = corpus.resolve(fid.corpus, cfg.data_dir)
-        ids = corpus.token_ids(tok, fid.corpus, fid.tokens, cfg.data_dir)
+        ids, _ = corpus.random_windows(tok, corpus.text(fid.corpus, cfg.data_dir), fid.tokens // fid.windows,
+                                       fid.windows, cfg.seed)
         return ids, fidelity.reference(_reference_key(cfg), ids, cfg.cache_dir, lambda: _reference_engine(cfg))
     return None
 
@@ -286,24 +287,26 @@ def _fidelity(cfg: RunConfig, name: str, engine, reference, m: Measurement, poin
     the engine returns only its top k, the top-k lower bound (named apart).
     ``point_model``: quantlab's in-memory point behind an exported artifact;
     the same statistics against it are logged as ``parity/*``."""
-    ids, ref = reference
+    ids, ref = reference  # ids: [windows, length], drawn at random
     fid = cfg.probe.fidelity
-    log.info("[%s] fidelity probe (%d tokens)", name, ids.shape[1])
+    log.info("[%s] fidelity probe (%d windows of %d tokens)", name, *ids.shape)
+    w = len(ids)
     if why := engine.cannot("logits"):
-        vals, top = engine.topk_logprobs(ids, fid.topk)
-        actual = engine.token_logprobs(ids)[0][0]
-        score = lambda r: fidelity.compare_topk(r, vals, top, actual, ids[0, 1:])  # noqa: E731
+        tops = [engine.topk_logprobs(row[None], fid.topk) for row in ids]
+        vals, top = torch.cat([v for v, _ in tops]), torch.cat([t for _, t in tops])
+        actual = torch.stack([engine.token_logprobs(row[None])[0][0] for row in ids])
+        score = lambda r: fidelity.compare_topk(r, vals, top, actual, ids[:, 1:], w)  # noqa: E731
         m.tags["probe.fidelity.kl"] = f"top-{fid.topk} lower bound ({why})"
     else:
         logp = fidelity.logprobs(engine, ids)
-        score = lambda r: fidelity.compare(r, logp, ids[0, 1:])  # noqa: E731
+        score = lambda r: fidelity.compare(r, logp, ids[:, 1:], w)  # noqa: E731
     m.metrics.update(score(ref))
     if point_model is None or not fid.parity:
         return
     log.info("[%s] parity: the served artifact against quantlab's in-memory point", name)
     local = TorchEngine(point_model, next(point_model.parameters()).device)
     m.metrics.update(fidelity.as_parity(score(fidelity.logprobs(local, ids))))
-    m.metrics.update(fidelity.greedy_parity(engine, local, ids[:, : min(32, ids.shape[1])], fid.parity_tokens))
+    m.metrics.update(fidelity.greedy_parity(engine, local, ids[:1, : min(32, ids.shape[1])], fid.parity_tokens))
 
 
 def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
@@ -311,11 +314,11 @@ def _accuracy(cfg: RunConfig, name: str, engine, tok, m: Measurement) -> None:
     ppl = cfg.probe.perplexity
     if ppl.enabled:
         with m.timed("perplexity"), _optional_probe("perplexity", name, m):
-            ids = tok(perplexity.wikitext2_text(cfg.data_dir), add_special_tokens=False, return_tensors="pt")
-            wins, total = perplexity.windows(ids["input_ids"][0], ppl.window, ppl.max_windows)
-            log.info("[%s] perplexity probe (%d of %d windows of %d tokens%s)", name, len(wins), total, ppl.window,
+            wins, metric = perplexity.sample(tok, perplexity.wikitext2_text(cfg.data_dir), ppl.window,
+                                             ppl.max_windows, cfg.seed)  # the cap's name, however many scored
+            log.info("[%s] perplexity probe (%d windows of %d tokens, %s%s)", name, len(wins), ppl.window,
+                     "the whole split" if ppl.max_windows is None else "drawn at random",
                      ", adaptive" if ppl.adaptive else "")
-            metric = perplexity.metric_name(ppl.window, len(wins), total)  # the cap's name, however many scored
             nll = _adaptive_nll(cfg, name, engine, wins, metric, m) if ppl.adaptive else \
                 perplexity.token_nll(engine, wins)
             m.metrics.update(perplexity.summary(nll, metric))

@@ -28,6 +28,8 @@ HOST_TAG, PID_TAG, PID_START_TAG = "quantlab.host", "quantlab.pid", "quantlab.pi
 CREATE_KEY_TAG = "quantlab.create_key"  # one per start_run call: finds the twin a retried create made
 BASELINE_TAG = "recovery.baseline"  # on the parent: the run name the sweep compared against
 RECOMMENDED_BY_TAG = "recommended.by"  # on the parent: the objective of the budget picks
+# on the parent, written at launch: the decision declared before any point ran (decision.metric/budgets/alpha)
+DECLARED_TAGS = {"metric": "declared.metric", "budgets": "declared.budgets", "alpha": "declared.alpha"}
 # on a child: its latency or load timing shared the cores with other processes (the value says how much)
 CONTENDED_TAG = "load.warning"
 
@@ -46,6 +48,12 @@ def recommended_tags(budget: float) -> tuple[str, str]:
     """On the parent: the tags naming the point recommended within ``budget``
     (its run name, its run id)."""
     return f"recommended.{budget:g}", f"recommended.{budget:g}.run_id"
+
+
+def post_hoc_tag(budget: float) -> str:
+    """On the parent: why the recommendation within ``budget`` is post hoc
+    (chosen after the results, not declared at launch); absent when declared."""
+    return f"recommended.{budget:g}.post_hoc"
 
 
 def recommended_budgets(tags: dict[str, str]) -> list[str]:

@@ -86,13 +86,13 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    lines += ["", "value±se: standard error (accuracies: over documents; perplexity: delta method over blocks "
-              f"of up to {uncertainty.BLOCK} consecutive tokens; KL and top1: over blocks of positions of the "
-              "fidelity text; tokens of one text are correlated, blocks are taken as independent)."]
+    lines += ["", "value±se: standard error over the unit drawn independently (accuracies: documents; "
+              "perplexity (delta method), KL and top1: windows drawn at random within the text's articles, "
+              "whose tokens are correlated and which differ from each other)."]
     if base is not None:
         lines.append(f"{NOT_SIGNIFICANT}: not significantly different from the baseline {base.info.run_name} "
-                     f"(paired on the same items: exact McNemar for accuracies, t on blocks of per-token NLL "
-                     f"differences for perplexity; two-sided p >= {uncertainty.ALPHA}, per comparison).")
+                     f"(paired on the same items: exact McNemar for accuracies, t on the window means of "
+                     f"per-token NLL differences for perplexity; two-sided p >= {uncertainty.ALPHA}, per comparison).")
     contended = [f"- {r.info.run_name}: {r.data.tags[point.CONTENDED_TAG]}" for r in runs
                  if point.CONTENDED_TAG in r.data.tags]
     if contended:
@@ -275,11 +275,16 @@ def objective(runs, choice: str = "auto") -> str:
     return choice
 
 
-def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
-           items: dict | None = None, by: str = "tpot") -> tuple[str, dict[float, Recommendation]]:
+def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | None = None, by: str = "tpot",
+           alpha: float = uncertainty.ALPHA, post_hoc: dict[float, str] | None = None
+           ) -> tuple[str, dict[float, Recommendation]]:
     """Markdown: the decision rule, frontiers and, per budget, the real point
-    whose pessimistic loss is within it that is best by objective ``by``
-    (:data:`OBJECTIVES`: lowest TPOT, or highest capacity under the SLOs)."""
+    shown within it (Holm at family-wise ``alpha`` over the real points
+    compared at that budget) that is best by objective ``by``
+    (:data:`OBJECTIVES`: lowest TPOT, or highest capacity under the SLOs).
+    ``post_hoc``: budget -> why its pick was not declared at launch (said
+    beside it)."""
+    post_hoc = post_hoc or {}
     key, sign, words, unit = OBJECTIVES[by]
     lat = points(runs, metric, "lat/tpot_ms_p50", base, items)
     # a point whose load met the SLOs at no rate (knee or its lower bound 0) has no capacity to offer
@@ -293,9 +298,11 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
              + ("the KL value" if kl else "1 - top-1 agreement" if metric == "fid/top1_agree" else
                 "1 - point/baseline (perplexity: 1 - baseline/point)")
              + f"; a point meets a budget when \"loss >= budget\" is rejected by Holm's step-down rule over the "
-               f"{n_real} real points compared (family-wise error <= "
-               f"{1 - uncertainty.LEVEL:.0%}; each bound one-sided {uncertainty.LEVEL:.0%}, paired over the same "
-               f"items where both runs logged them, its unit and method beside it); among those, {words} wins. "
+               f"{n_real} real points compared (family-wise error <= {alpha:g} per budget: each budget is its own "
+               f"family of {n_real} hypotheses, so across the {len(budgets)} budgets up to {len(budgets)} x "
+               f"{alpha:g}; each bound printed one-sided {uncertainty.LEVEL:.0%}, paired over the same "
+               f"items where both runs logged them, its unit and method beside it; a loss with no bound, or "
+               f"fewer than {uncertainty.MIN_UNITS} units, never qualifies); among those, {words} wins. "
                f"`{NOT_SIGNIFICANT}` marks are per comparison (not corrected for multiplicity).", ""]
     lines.append("Frontier, loss vs decode latency: " + ", ".join(
         f"{p.name} ({p.cost:.2f} ms{CONTENDED if p.contended else ''}, {p.loss:.3g})"
@@ -306,9 +313,9 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None,
         f"{p.name} ({p.cost:.1f} MiB, {p.loss:.3g})" for p in frontier(mem)))
     recs = {}
     for b in budgets:
-        rec = fastest_within(ranked, b)
+        rec = fastest_within(ranked, b, alpha=alpha)
         recs[b] = rec
-        what = f"KL <= {b:g}" if kl else f"{b:.0%} loss"
+        what = (f"KL <= {b:g}" if kl else f"{b:.0%} loss") + (f" (post hoc: {post_hoc[b]})" if b in post_hoc else "")
         if rec.point is None:
             lines.append(f"- Within {what}: no real point qualifies.")
         else:
@@ -367,21 +374,60 @@ def next_steps(runs, recs: dict[float, Recommendation], sweep: str, parent_id: s
     return "\n".join(lines)
 
 
-def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
-          budgets=DEFAULT_BUDGETS, out_dir: Path | None = None, log_to_run: bool = True,
-          by: str = "auto") -> str:
+def declared(tags: dict[str, str]) -> tuple[str, tuple[float, ...], float] | None:
+    """``(metric, budgets, alpha)`` a sweep parent recorded at launch, or None
+    (a sweep from before declarations)."""
+    t = point.DECLARED_TAGS
+    if not all(v in tags for v in t.values()):
+        return None
+    return tags[t["metric"]], tuple(float(b) for b in tags[t["budgets"]].split(",")), float(tags[t["alpha"]])
+
+
+def post_hoc(runs, declaration, metric: str, budgets, alpha: float) -> dict[float, str]:
+    """Budget -> why its decision was not the one declared at launch
+    (another metric, a budget not declared, another alpha); empty where all
+    of it was declared."""
+    if declaration is None:
+        return {b: "the sweep declared no decision at launch" for b in budgets}
+    d_metric, d_budgets, d_alpha = declaration
+    why = []
+    if metric != decision_metric(runs, d_metric):
+        why.append(f"metric {metric}, declared {d_metric}")
+    if alpha != d_alpha:
+        why.append(f"alpha {alpha:g}, declared {d_alpha:g}")
+    out = {}
+    for b in budgets:
+        reasons = why + ([] if b in d_budgets else [f"budget not declared ({', '.join(f'{x:g}' for x in d_budgets)})"])
+        if reasons:
+            out[b] = "; ".join(reasons)
+    return out
+
+
+def build(client, experiment_id: str, parent_id: str, metric: str | None = None,
+          budgets=None, out_dir: Path | None = None, log_to_run: bool = True,
+          by: str = "auto", alpha: float | None = None) -> str:
     """Table + frontier + recommendations (by objective ``by``, see
     :func:`objective`) for one sweep; PNG/HTML plots in ``out_dir``; with
     ``log_to_run`` all of it goes to the parent run (tag ``recommended.by``)
-    and the recommended child runs get a ``quantlab.recommended.<budget>`` tag."""
+    and the recommended child runs get a ``quantlab.recommended.<budget>`` tag.
+    ``metric``, ``budgets``, ``alpha``: None takes what the sweep declared at
+    launch (:func:`declared`; else auto, 1 % and 5 %, 0.05); a choice that
+    differs is said "post hoc" beside its picks and in a parent tag per budget."""
     runs, reused = tracking.sweep_runs(client, experiment_id, parent_id)
     runs += reused
     tags = client.get_run(parent_id).data.tags
     base = next((r for r in runs if r.info.run_name == tags.get(point.BASELINE_TAG)), None) or baseline_run(runs)
     items = {r.info.run_id: tracking.load_items(client, tracking.origin(r)) for r in runs if tracking.done(r)}
-    metric = decision_metric(runs, metric)
+    said = declared(tags)
+    metric = decision_metric(runs, metric or (said[0] if said else "auto"))
+    budgets = tuple(budgets or (said[1] if said else DEFAULT_BUDGETS))
+    alpha = alpha if alpha is not None else (said[2] if said else uncertainty.ALPHA)
+    late = post_hoc(runs, said, metric, budgets, alpha)
     by = objective(runs, by)
-    text, recs = decide(runs, metric, budgets, base, items, by)
+    text, recs = decide(runs, metric, budgets, base, items, by, alpha, late)
+    text = (f"Declared at launch: {_declaration_text(said)}." if said else
+            "Declared at launch: nothing (a sweep from before declarations: every pick is post hoc).") + \
+        "\n\n" + text
     sweep = tags.get(point.SWEEP_TAG, "?")
     paired_text = paired_table(runs, base, items) if base is not None else ""
     times = time_table(runs, {r.info.run_id for r in reused})
@@ -413,8 +459,27 @@ def build(client, experiment_id: str, parent_id: str, metric: str = "auto",
             if rec.point is not None:
                 name_tag, id_tag = point.recommended_tags(b)
                 tracking.set_tags(client, by_name[rec.point.name], {point.recommended_point_tag(b): "true"})
-                tracking.set_tags(client, parent_id, {name_tag: rec.point.name, id_tag: by_name[rec.point.name]})
+                tracking.set_tags(client, parent_id, {name_tag: rec.point.name, id_tag: by_name[rec.point.name],
+                                                      point.post_hoc_tag(b): late.get(b, "no")})
     return body
+
+
+def _declaration_text(said) -> str:
+    metric, budgets, alpha = said
+    return f"metric {metric}, budgets {', '.join(f'{b:g}' for b in budgets)}, alpha {alpha:g}"
+
+
+def _budget_list(text: str) -> tuple[float, ...]:
+    """``--budgets 0.01,0.05``: positive numbers, else argparse's one-line error."""
+    import argparse
+
+    try:
+        out = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers, e.g. 0.01,0.05") from None
+    if not out or any(b <= 0 for b in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: budgets must be > 0")
+    return out
 
 
 def _find_parent(client, experiment_id: str, sweep: str) -> str:
@@ -435,8 +500,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
     ap.add_argument("--experiment", default="quantlab")
     ap.add_argument("--sweep", default="latest", help="latest, a sweep name, or a parent run id")
-    ap.add_argument("--metric", default="auto", help="decision metric (auto, fid/kl_mean, recovery/acc/...)")
-    ap.add_argument("--budgets", default="0.01,0.05", help="comma-separated loss budgets")
+    ap.add_argument("--metric", default=None, help="decision metric (auto, fid/kl_mean, recovery/acc/...); "
+                    "default: the one the sweep declared (decision.metric); another is reported as post hoc")
+    ap.add_argument("--budgets", type=_budget_list, default=None,
+                    help="comma-separated loss budgets; default: those declared (decision.budgets)")
+    ap.add_argument("--alpha", type=float, default=None,
+                    help="family-wise error per budget; default: the one declared (decision.alpha)")
     ap.add_argument("--objective", default="auto", help="what a budget's pick maximises: auto (capacity where the "
                     "load probe ran, else tpot), tpot (lowest decode latency), capacity (highest lower bound of "
                     "req/s under the SLOs)")
@@ -449,10 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         client, exp = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
                                                       artifact_root=None))
         parent = _find_parent(client, exp, args.sweep)
-        budgets = tuple(float(b) for b in args.budgets.split(","))
         # build() checks the objective before it writes anything
-        print(build(client, exp, parent, args.metric, budgets, Path(args.out) if args.out else None,
-                    not args.no_log, args.objective))
+        print(build(client, exp, parent, args.metric, args.budgets, Path(args.out) if args.out else None,
+                    not args.no_log, args.objective, args.alpha))
     except UserError as e:
         print(f"quantlab.report: {e}", file=sys.stderr)
         return 2

@@ -33,11 +33,14 @@ import numpy as np
 from quantlab import uncertainty
 
 
-def schedule(cap: int, chunk: int) -> list[int]:
-    """Units seen at each look: ``chunk, 2 chunk, ..., cap`` (the last look at the cap)."""
+def schedule(cap: int, chunk: int, first: int = 1) -> list[int]:
+    """Units seen at each look: ``chunk, 2 chunk, ..., cap`` (the last look at
+    the cap), none before ``first`` units (a look with fewer units than a
+    bound needs would spend error and decide nothing)."""
     if cap < 1 or chunk < 1:
         raise ValueError(f"a schedule needs cap >= 1 and chunk >= 1 (got cap {cap}, chunk {chunk})")
-    return [min(k * chunk, cap) for k in range(1, math.ceil(cap / chunk) + 1)]
+    start = min(first, cap)
+    return sorted({max(min(k * chunk, cap), start) for k in range(1, math.ceil(cap / chunk) + 1)})
 
 
 def spent(alpha: float, t: float) -> float:
@@ -59,24 +62,22 @@ def levels(alpha: float, looks: Sequence[int], cap: int) -> list[float]:
 
 def upper(alpha: float, looks: Sequence[int], cap: int, look_upper: Callable[[int, float], float],
           estimate: float = -math.inf) -> float:
-    """The anytime-valid ``1 - alpha`` upper bound after ``looks``: the least
-    of ``look_upper(n_k, level_k)`` over the looks taken. Where that least
-    bound falls below ``estimate`` (the last look's estimate), the looks
-    disagree: an early prefix of the items said more than the whole does (an
-    event of probability at most ``alpha``, or items that drift); the last
-    look's own bound is returned instead. The union bound covers it too (it
-    fails only if some look's bound does), so the result stays valid at
-    ``1 - alpha`` and never sits below the estimate it is reported beside."""
+    """The anytime-valid ``1 - alpha`` upper bound after ``looks``:
+    ``max(min_k look_upper(n_k, level_k), estimate)`` (``estimate``: the last
+    look's). Where the least bound falls below the estimate the looks
+    disagree (an early prefix said more than the whole does): the estimate
+    is the bound then. Valid (it fails only when some look's bound does),
+    monotone in ``alpha``, never below the estimate."""
     bounds = [look_upper(n, a) for n, a in zip(looks, levels(alpha, looks, cap))]
-    return bounds[-1] if min(bounds) < estimate else min(bounds)
+    return max(min(bounds), estimate)
 
 
-def effective(run_lower: float, run_upper: float, lower: float, upper_: float, estimate: float) -> tuple[float, float]:
+def effective(run_lower: float, run_upper: float, estimate: float) -> tuple[float, float]:
     """The bounds a stopping rule decides on after a look: the running ones
     (``run_lower``: the greatest lower bound so far, ``run_upper``: the least
-    upper), except where one excludes the look's ``estimate`` (the looks
-    disagree, see :func:`upper`): that side takes the look's own bound."""
-    return (lower if run_lower > estimate else run_lower), (upper_ if run_upper < estimate else run_upper)
+    upper), each held on the far side of the look's ``estimate`` (see
+    :func:`upper`): the same rule the report bounds by."""
+    return min(run_lower, estimate), max(run_upper, estimate)
 
 
 def decided(lower: float, upper_: float, budgets: Sequence[float]) -> bool:
@@ -84,12 +85,11 @@ def decided(lower: float, upper_: float, budgets: Sequence[float]) -> bool:
     return all(upper_ <= b or lower > b for b in budgets)
 
 
-def mean_bounds(diffs: np.ndarray, alpha: float) -> tuple[float, float]:
+def mean_bounds(diffs: np.ndarray, windows: int, alpha: float) -> tuple[float, float]:
     """One-sided ``1 - alpha`` lower and upper bounds of the mean of per-token
-    differences (a t-interval on block means, see :mod:`quantlab.uncertainty`)."""
+    differences over ``windows`` equal windows (a t-interval on the window
+    means, see :mod:`quantlab.uncertainty`; unbounded below ``MIN_UNITS``)."""
     mean = float(np.mean(diffs))
-    se, blocks = uncertainty.block_stderr(diffs)
-    if se <= 0:
-        return mean, mean
-    q = uncertainty.quantile(alpha, blocks)
-    return mean - q * se, mean + q * se
+    se = uncertainty.unit_stderr(diffs, windows)
+    hi = uncertainty.unit_upper(mean, se, windows, alpha)
+    return 2 * mean - hi, hi

@@ -44,7 +44,7 @@ class SweepCallback(Callback):
         params["sweep.overrides"] = " ".join(config.hydra.overrides.task) or "-"
         name = f"sweep:{sweep} {time.strftime('%Y-%m-%d %H:%M:%S')}"
         tags = {point.SWEEP_TAG: sweep, point.ROLE_TAG: point.ROLE_SWEEP,
-                "git_commit": tracking.git_commit(), **tracking.versions()}
+                "git_commit": tracking.git_commit(), **tracking.versions(), **_declared(config)}
         parent = tracking.start_run(client, exp_id, name, tags, params=params)
         os.environ[PARENT_ENV] = parent
         if config.hydra.launcher.get("_target_", "") == RAY_LAUNCHER:  # workers on other nodes inherit nothing
@@ -75,6 +75,15 @@ class SweepCallback(Callback):
         log.info("sweep done: %s", ", ".join(f"{v} {k}" for k, v in counts.items()))
         if failed:
             sys.exit(1)
+
+
+def _declared(config: DictConfig) -> dict[str, str]:
+    """The decision declared before any point runs, as the parent's tags
+    (:data:`quantlab.point.DECLARED_TAGS`): what the report decides by default."""
+    d = config.get("decision") or {}
+    return {point.DECLARED_TAGS["metric"]: str(d.get("metric", "auto")),
+            point.DECLARED_TAGS["budgets"]: ",".join(f"{float(b):g}" for b in d.get("budgets", (0.01, 0.05))),
+            point.DECLARED_TAGS["alpha"]: f"{float(d.get('alpha', 0.05)):g}"}
 
 
 def _log_recovery(client, parent: str, runs, reused, choice: str) -> None:

@@ -4,13 +4,18 @@ decision rests on.
 Conventions:
 - the standard error of a mean is the sample standard deviation (``ddof=1``)
   over sqrt(n); for 0/1 outcomes that is lm-eval's ``acc_stderr``;
-- **units**: lm-eval documents are independent units; tokens are not (a
-  window's tokens share their context), so every token-level figure
-  (perplexity, KL, top-1 agreement) gets its standard error from *batch
-  means*: the mean of each of ``m`` contiguous blocks of at most ``BLOCK``
-  tokens (at least ``MIN_BLOCKS`` blocks), the blocks treated as independent
-  and the interval a t-interval on ``m - 1`` degrees of freedom. The
-  token-level figure is kept, labelled ``*_tokens``, as a secondary;
+- **units**: the unit is what was drawn independently. lm-eval documents
+  are independent units; tokens are not (a window's tokens share their
+  context), and neither are blocks of one window or article (windows differ
+  from each other: another article, another topic). So every token-level
+  figure (perplexity, KL, top-1 agreement) is scored on ``W`` windows drawn
+  at random and gets its standard error from the *window means*, the
+  interval a t-interval on ``W - 1`` degrees of freedom; with fewer than
+  ``MIN_UNITS`` units there is no bound at all ("cannot tell": an upper
+  bound of infinity). Block means (:func:`block_stderr`, contiguous blocks
+  of at most ``BLOCK`` tokens) remain for one sequence's own spread (the
+  cache probe); the per-token figure is kept, labelled ``*_tokens``, as a
+  secondary;
 - two points evaluated on the same items are compared *paired*: the mean of
   the per-item differences, and for 0/1 outcomes the exact McNemar test on
   the discordant items (the ``~`` marks, two-sided, ``ALPHA`` per comparison);
@@ -19,7 +24,7 @@ Conventions:
   (Tango 1998, Stat Med 17:891; zero discordant items over n give about
   z^2 / n, never 0); token-level losses by the t-interval on block means,
   top-1 disagreement by Wilson's score bound at the effective sample size
-  (t quantile on the blocks); without per-item values, an unpaired normal bound from both
+  (t quantile on the windows); without per-item values, an unpaired normal bound from both
   runs' standard errors.
 """
 from __future__ import annotations
@@ -36,6 +41,7 @@ LEVEL = 0.95
 ALPHA = 0.05
 BLOCK = 128
 MIN_BLOCKS = 4
+MIN_UNITS = 8  # fewer independent units than this: no bound ("cannot tell")
 
 
 def z(alpha: float) -> float:
@@ -67,6 +73,29 @@ def block_stderr(x: Sequence[float] | np.ndarray) -> tuple[float, int]:
     """``(standard error of the mean from block means, number of blocks)``."""
     means = block_means(x)
     return mean_stderr(means), int(means.size)
+
+
+def group_means(x: Sequence[float] | np.ndarray, groups: int) -> np.ndarray:
+    """Means of ``x`` cut into ``groups`` equal consecutive parts (the windows
+    a token-level figure was scored on, in the order they were scored)."""
+    a = np.asarray(x, dtype=np.float64).ravel()
+    if groups < 1 or a.size % groups:
+        raise ValueError(f"{a.size} items do not split into {groups} equal windows")
+    return a.reshape(groups, -1).mean(axis=1)
+
+
+def unit_stderr(x: Sequence[float] | np.ndarray, groups: int) -> float:
+    """Standard error of the mean of ``x`` from its :func:`group_means`."""
+    return mean_stderr(group_means(x, groups))
+
+
+def unit_upper(mean: float, se: float, units: int, alpha: float) -> float:
+    """One-sided ``1 - alpha`` upper bound of a mean over ``units`` randomly
+    drawn units (t on ``units - 1`` df); infinite below ``MIN_UNITS`` units:
+    so few cannot show how much the units differ."""
+    if units < MIN_UNITS:
+        return math.inf
+    return t_upper(mean, se, units, alpha)
 
 
 def quantile(alpha: float, units: int) -> float:
@@ -157,15 +186,21 @@ class Paired:
         return self.p_value < ALPHA
 
 
-def paired(point: Sequence[float], base: Sequence[float], binary: bool = False, tokens: bool = False) -> Paired:
+def paired(point: Sequence[float], base: Sequence[float], binary: bool = False, tokens: bool = False,
+           windows: int = 0) -> Paired:
     """Paired comparison of per-item values (same items, same order).
-    ``tokens``: the items are consecutive tokens (standard error from block
+    ``windows``: the items are the tokens of that many equal windows, in
+    order (standard error from the window means, the windows the units);
+    ``tokens`` without ``windows``: consecutive tokens of one text (block
     means); otherwise each item is an independent unit (a document)."""
     a, b = np.asarray(point, dtype=np.float64), np.asarray(base, dtype=np.float64)
     if a.shape != b.shape or a.size == 0:
         raise ValueError(f"paired comparison needs equal, non-empty item lists ({a.size} vs {b.size})")
     d = a - b
-    se, units = block_stderr(d) if tokens else (mean_stderr(d), int(d.size))
+    if windows:
+        se, units = unit_stderr(d, windows), windows
+    else:
+        se, units = block_stderr(d) if tokens else (mean_stderr(d), int(d.size))
     if binary:
         gained, lost = int(((a > 0.5) & (b < 0.5)).sum()), int(((a < 0.5) & (b > 0.5)).sum())
         return Paired(float(d.mean()), se, int(a.size), mcnemar_p(gained, lost), units, lost, gained)
@@ -196,19 +231,22 @@ class Bound:
 
     def p_value(self, budget: float) -> float:
         """The one-sided p-value of "loss >= ``budget``": the smallest alpha at
-        which the bound is within ``budget`` (1 when it never is)."""
+        which the bound is within ``budget`` (1 when it never is). Agrees with
+        the printed bound by construction: ``p <= ALPHA`` exactly when
+        ``upper <= budget`` (the bisection's last step cannot cross it)."""
         if self.upper_at(1.0 - 1e-12) > budget:
             return 1.0
         lo, hi = 1e-12, 1.0 - 1e-12  # upper_at(hi) <= budget
         if self.upper_at(lo) <= budget:
             return lo
-        for _ in range(40):  # alpha to ~1e-12
-            mid = (lo + hi) / 2
+        for _ in range(30):  # on log alpha: to a relative 1e-7, more than Holm's thresholds need
+            mid = math.sqrt(lo * hi)
             if self.upper_at(mid) <= budget:
                 hi = mid
             else:
                 lo = mid
-        return hi
+        within = self.upper_at(ALPHA) <= budget
+        return min(hi, ALPHA) if within else max(hi, math.nextafter(ALPHA, 1.0))
 
 
 def exact(value: float, method: str) -> Bound:

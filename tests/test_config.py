@@ -72,8 +72,12 @@ def test_bad_float_dtype_is_rejected():
     (["scheme/weights=int3"], "unknown scheme/weights 'int3'; valid: awq-g32"),
     (["target=llamacpp", "target.n_ctx=8"], "target.n_ctx=8: must be >= 16"),  # once refused inside the point
     (["target=vllm", "target.max_num_seqs=0"], "target.max_num_seqs=0: must be >= 1"),
-    (["target=vllm", "target.max_model_len=256", "probe=smoke"],  # was a FAILED point: vLLM refused the prompt
-     "probe.fidelity.tokens=512 needs 513 tokens of context; target.max_model_len=256 holds fewer"),
+    (["target=vllm", "target.max_model_len=256", "probe=smoke", "probe.fidelity.windows=1"],  # was a FAILED
+     # point: vLLM refused the prompt
+     "probe.fidelity.tokens=512 over 1 windows needs 513 tokens of context; target.max_model_len=256 holds fewer"),
+    (["probe.fidelity.tokens=10", "probe.fidelity.windows=8"],
+     "probe.fidelity.tokens=10 over probe.fidelity.windows=8: each window needs >= 2 tokens"),
+    (["decision.alpha=1.5"], "decision.alpha=1.5: an error rate, below 1"),
     (["target=neuron", "target.sequence_length=40", "probe.fidelity.enabled=false", "probe.cache.enabled=false"],
      "probe.latency (prompt_tokens + new_tokens) needs 48 tokens of context; target.sequence_length=40"),
     (["scheme/weights=mixed", "scheme.weights.recipe=RECIPE"], "bad.yaml: not valid YAML at line 3"),

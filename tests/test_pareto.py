@@ -8,11 +8,16 @@ from hypothesis import strategies as st
 
 from quantlab.pareto import Point, dominates, fastest_within, frontier
 
+def _known(name: str, cost: float, loss: float, **kw) -> Point:
+    """A point whose loss is known exactly (its bound is its value)."""
+    return Point(name, cost, loss, loss_upper=loss, **kw)
+
+
 PTS = [
-    Point("fp32", 60, 0.0), Point("bf16", 35, 0.001), Point("int8", 24, 0.004),
-    Point("int4", 20, 0.28), Point("nf4", 28, 0.25),  # nf4 dominated by int4? no: int4 faster but worse
-    Point("slow-bad", 70, 0.5),  # dominated by everything
-    Point("fp8", 290, 0.017, emulated=True),
+    _known("fp32", 60, 0.0), _known("bf16", 35, 0.001), _known("int8", 24, 0.004),
+    _known("int4", 20, 0.28), _known("nf4", 28, 0.25),  # nf4 dominated by int4? no: int4 faster but worse
+    _known("slow-bad", 70, 0.5),  # dominated by everything
+    _known("fp8", 290, 0.017, emulated=True),
 ]
 
 
@@ -33,11 +38,21 @@ def test_recommendation_moves_with_budget():
     r = fastest_within(PTS, 0.01)
     assert r.point.name == "int8" and math.isclose(r.margin, 0.006) and r.candidates == 3
     assert fastest_within(PTS, 1.0).point.name == "int4"
-    assert fastest_within([Point("x", 1, 5)], 0.1).point is None
+    assert fastest_within([_known("x", 1, 5)], 0.1).point is None
+
+
+def test_a_point_without_a_bound_is_never_the_pick():
+    """An estimate-only loss (no bound logged) has p = 1: well within the
+    budget by its estimate, it is listed as undecided, never recommended."""
+    pts = [Point("estimate-only", 1, 0.0), _known("bounded", 5, 0.004)]
+    r = fastest_within(pts, 0.01)
+    assert r.point.name == "bounded" and [p.name for p in r.undecided] == ["estimate-only"]
+    assert pts[0].p_at(0.01) == 1.0
+    assert fastest_within(pts[:1], 0.5).point is None
 
 
 def test_emulated_points_not_recommended_unless_asked():
-    pts = [Point("emu", 1, 0.0, emulated=True), Point("real", 5, 0.0)]
+    pts = [_known("emu", 1, 0.0, emulated=True), _known("real", 5, 0.0)]
     assert fastest_within(pts, 0.1).point.name == "real"
     assert fastest_within(pts, 0.1, include_emulated=True).point.name == "emu"
 

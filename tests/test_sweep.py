@@ -136,11 +136,16 @@ def test_report_cli_reads_a_store_written_by_another_process(smoke_sweep, tmp_pa
     uri = client.tracking_uri
     assert report.main(["--tracking-uri", uri, "--sweep", "smoke", "--out", str(tmp_path), "--no-log"]) == 0
     out = capsys.readouterr().out
-    # top-1 over the smoke probe's 512 tokens: no disagreement still leaves a bound of 1.1 % (Wilson, t on 4 blocks;
-    # 2.7 % at Holm's level for 3 points: at 128 tokens it was 9.9 %, and nothing qualified even within 5 %),
-    # so nothing is certified within 1 % (the old normal bound said 0) and fp32 is within 5 %
-    assert "Within 1% loss: no real point qualifies" in out and "Fastest within 5% loss" in out
-    assert "| fp32@cpu" in out
+    # fp32 scores the reference's own log-probabilities on every position: its loss is exactly 0 (shown by its
+    # outputs), so it qualifies within 1 %, where a sampled bound at 512 positions could not have shown it
+    assert "Fastest within 1% loss: **fp32@cpu**" in out and "identical log-probabilities to the reference" in out
+    assert "Declared at launch: metric auto, budgets 0.01, 0.05, alpha 0.05." in out and "post hoc" not in out
+    assert report.main(["--tracking-uri", uri, "--sweep", "smoke", "--budgets", "0.02", "--no-log",
+                        "--out", str(tmp_path / "late")]) == 0
+    assert "within 2% loss (post hoc: budget not declared (0.01, 0.05))" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # argparse's one line, exit 2
+        report.main(["--tracking-uri", uri, "--budgets", "0.02,x"])
+    assert e.value.code == 2 and "comma-separated numbers" in capsys.readouterr().err
     assert (tmp_path / "pareto.png").stat().st_size > 10_000 and (tmp_path / "pareto.html").is_file()
     assert report.main(["--tracking-uri", uri, "--sweep", "nope"]) == 2
     assert "no sweep 'nope' in this store; sweeps: smoke" in capsys.readouterr().err
@@ -153,6 +158,9 @@ def test_recommended_point_tagged(smoke_sweep):
     chosen = tags["recommended.0.05"]
     child = next(r for r in runs if r.info.run_name == chosen)
     assert client.get_run(child.info.run_id).data.tags["quantlab.recommended.0.05"] == "true"
+    # the decision declared at launch, recorded before any point ran; the sweep's own picks are not post hoc
+    assert (tags["declared.metric"], tags["declared.budgets"], tags["declared.alpha"]) == ("auto", "0.01,0.05", "0.05")
+    assert tags["recommended.0.05.post_hoc"] == "no"
 
 
 def test_headline_sweep_without_data_dir_exits_0_with_every_family(tmp_path):

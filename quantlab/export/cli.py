@@ -23,7 +23,7 @@ from typing import Protocol
 from quantlab.errors import UserError
 from quantlab.export.formats import FORMATS
 from quantlab.point import (REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SCHEME_TAG, exportable_tag, find_sweep,
-                            recommended_budgets, recommended_tags)
+                            post_hoc_tag, recommended_budgets, recommended_tags)
 
 
 class Store(Protocol):
@@ -123,6 +123,9 @@ def _recommended(store: Store, sweep: str, budget: float) -> str:
     except LookupError as e:
         raise UserError(str(e)) from None
     chosen = tags.get(recommended_tags(budget)[1])
+    if chosen and (why := tags.get(post_hoc_tag(budget), "no")) != "no":
+        print(f"quantlab.export: post hoc: the {budget:g} pick of sweep {sweep!r} was not declared at launch "
+              f"({why})", file=sys.stderr)
     if not chosen:
         budgets = recommended_budgets(tags)
         raise UserError(f"sweep {sweep!r} has no recommendation for budget {budget:g}; "

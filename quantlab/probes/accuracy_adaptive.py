@@ -88,7 +88,7 @@ def evaluate(run_docs: Callable[[dict[str, list[int]]], dict[str, dict[str, dict
                 run_lo[t, metric] = max(run_lo.get((t, metric), -float("inf")), lo)
                 run_hi[t, metric] = min(run_hi.get((t, metric), float("inf")), hi)
                 est = (sum(paired_ref) - sum(scores)) / len(scores) / acc
-                lo_e, hi_e = sequential.effective(run_lo[t, metric], run_hi[t, metric], lo, hi, est)
+                lo_e, hi_e = sequential.effective(run_lo[t, metric], run_hi[t, metric], est)
                 decided &= sequential.decided(lo_e, hi_e, budgets)
                 progress(f"{t} {metric} {n}/{cap} documents: loss against the reference in "
                          f"[{lo_e:.4f}, {hi_e:.4f}] (level {level:.2g})")

@@ -20,28 +20,33 @@ from safetensors.torch import load_file, save_file
 
 from quantlab.digest import computed_once
 from quantlab.divergence import kl_per_token
-from quantlab.uncertainty import block_count, block_stderr, mean_stderr
+from quantlab.uncertainty import mean_stderr, unit_stderr
 
 log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
 def logprobs(engine, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token log-probs ``[T, V]`` in float32 for one sequence ``ids: [1, T]``."""
-    return torch.log_softmax(engine.logits(ids)[0].float(), dim=-1).cpu()
+    """Next-token log-probs ``[W * L, V]`` in float32 of ``ids: [W, L]``, each
+    window scored on its own, in order (one sequence: ``[1, T]`` -> ``[T, V]``)."""
+    return torch.cat([torch.log_softmax(engine.logits(row[None])[0].float(), dim=-1).cpu() for row in ids])
 
 
-def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor | None = None) -> dict[str, float]:
-    """llama.cpp-grade fidelity statistics of ``logp`` against ``ref_logp`` (``[T, V]``).
+def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor | None = None,
+            windows: int = 1) -> dict[str, float]:
+    """llama.cpp-grade fidelity statistics of ``logp`` against ``ref_logp``
+    (``[T, V]``: ``windows`` equal windows of positions, in order).
 
     Per position: KL(ref || point), summarised as mean (with its standard
-    error from block means, ``fid/blocks`` of them, and the per-position one
-    as ``*_stderr_tokens``), median, P99, P99.9 and max; top-1 agreement
-    ("same top p") with its standard errors likewise. With ``targets`` (the ``T - 1`` next tokens of the
-    text) also ln(PPL(point) / PPL(ref)) and the mean change of the probability
-    given to the actual next token (delta-p), each with its standard error, from
-    the per-token differences (paired, as llama.cpp's ``--kl-divergence``).
-    Identical inputs give exactly 0 KL, agreement 1 and a ratio of 0.
+    error from the window means, ``fid/windows`` of them: the unit, see
+    :mod:`quantlab.uncertainty`; the per-position one as ``*_stderr_tokens``),
+    median, P99, P99.9 and max; top-1 agreement ("same top p") with its
+    standard errors likewise. With ``targets`` (``[windows, T / windows - 1]``:
+    each window's next tokens) also ln(PPL(point) / PPL(ref)) and the mean
+    change of the probability given to the actual next token (delta-p), each
+    with its standard error, from the per-token differences (paired, as
+    llama.cpp's ``--kl-divergence``). Identical inputs give exactly 0 KL,
+    agreement 1, a ratio of 0 and ``fid/identical`` 1.
     """
     if ref_logp.shape != logp.shape:
         raise ValueError(f"reference {tuple(ref_logp.shape)} vs point {tuple(logp.shape)}")
@@ -49,36 +54,41 @@ def compare(ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor | 
     kl = kl_per_token(ref64, p64, logits=False).numpy()
     same = (ref_logp.argmax(-1) == logp.argmax(-1)).double().numpy()
     out = {
-        **_mean("fid/kl_mean", kl),
+        **_mean("fid/kl_mean", kl, windows),
         "fid/kl_median": float(np.median(kl)),
         "fid/kl_p99": float(np.percentile(kl, 99)),
         "fid/kl_p999": float(np.percentile(kl, 99.9)),
         "fid/kl_max": float(kl.max()),
-        **_mean("fid/top1_agree", same),
+        **_mean("fid/top1_agree", same, windows),
         "fid/tokens": float(kl.size),
-        "fid/blocks": float(block_count(kl.size)),
+        "fid/windows": float(windows),
+        "fid/identical": float(torch.equal(ref_logp, logp)),
     }
     if targets is not None:
-        if targets.numel() != kl.size - 1:
-            raise ValueError(f"{targets.numel()} targets for {kl.size} positions (need one fewer)")
-        idx = targets.reshape(-1, 1).long()
-        lr, lq = ref64[:-1].gather(-1, idx)[:, 0].numpy(), p64[:-1].gather(-1, idx)[:, 0].numpy()
+        length = kl.size // windows
+        if targets.numel() != windows * (length - 1):
+            raise ValueError(f"{targets.numel()} targets for {windows} windows of {length} positions "
+                             "(need one fewer a window)")
+        idx = targets.reshape(windows, length - 1, 1).long()
+        lr = ref64.reshape(windows, length, -1)[:, :-1].gather(-1, idx)[..., 0].numpy().ravel()
+        lq = p64.reshape(windows, length, -1)[:, :-1].gather(-1, idx)[..., 0].numpy().ravel()
         dnll, dp = lr - lq, np.exp(lq) - np.exp(lr)
-        out.update({**_mean("fid/ln_ppl_ratio", dnll), **_mean("fid/dp_token_mean", dp)})
+        out.update({**_mean("fid/ln_ppl_ratio", dnll, windows), **_mean("fid/dp_token_mean", dp, windows)})
     return out
 
 
-def _mean(name: str, per_position: np.ndarray) -> dict[str, float]:
+def _mean(name: str, per_position: np.ndarray, windows: int) -> dict[str, float]:
     """``name``: the mean over positions; ``name_stderr``: its standard error
-    from block means (positions of one text are correlated, see
-    :mod:`quantlab.uncertainty`); ``name_stderr_tokens``: the per-position one
-    (treats positions as independent: narrower, a secondary figure)."""
-    return {name: float(per_position.mean()), f"{name}_stderr": block_stderr(per_position)[0],
+    from the means of the ``windows`` windows (the unit; 0 for one window);
+    ``name_stderr_tokens``: the per-position one (treats positions as
+    independent: narrower, a secondary figure)."""
+    return {name: float(per_position.mean()), f"{name}_stderr": unit_stderr(per_position, windows),
             f"{name}_stderr_tokens": mean_stderr(per_position)}
 
 
 def compare_topk(ref_logp: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor,
-                 target_logp: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> dict[str, float]:
+                 target_logp: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                 windows: int = 1) -> dict[str, float]:
     """Fidelity from an engine that returns only its top ``k`` log-probabilities
     per position (``top_values``, ``top_ids``: ``[T, k]``, best first).
 
@@ -90,7 +100,9 @@ def compare_topk(ref_logp: torch.Tensor, top_values: torch.Tensor, top_ids: torc
     outside the point's top k; ``fid/kl_topk_ref_mass_outside`` says how much
     it leaves out. Top-1 agreement is exact (the point's best token is known);
     with ``target_logp`` (the point's log-probability of each actual next
-    token) and ``targets``, ``fid/ln_ppl_ratio`` is exact too."""
+    token, ``[windows, L - 1]``) and ``targets`` (likewise),
+    ``fid/ln_ppl_ratio`` is exact too. Positions: ``windows`` equal windows,
+    as in :func:`compare`."""
     if ref_logp.shape[0] != top_values.shape[0]:
         raise ValueError(f"reference has {ref_logp.shape[0]} positions, the point {top_values.shape[0]}")
     ref64, vals = ref_logp.double(), top_values.double()
@@ -102,12 +114,14 @@ def compare_topk(ref_logp: torch.Tensor, top_values: torch.Tensor, top_ids: torc
     kl = (kl_in + torch.where(p_out > 0, p_out * (p_out.clamp_min(1e-300).log() - q_out.log()), 0.0))
     kl = kl.clamp_min(0.0).numpy()
     same = (ref_logp.argmax(-1) == top_ids[:, 0]).double().numpy()
-    out = {**_mean("fid/kl_topk_lb_mean", kl),
+    out = {**_mean("fid/kl_topk_lb_mean", kl, windows),
            "fid/kl_topk_k": float(top_ids.shape[1]), "fid/kl_topk_ref_mass_outside": float(p_out.mean()),
-           **_mean("fid/top1_agree", same), "fid/tokens": float(kl.size), "fid/blocks": float(block_count(kl.size))}
+           **_mean("fid/top1_agree", same, windows), "fid/tokens": float(kl.size), "fid/windows": float(windows)}
     if target_logp is not None and targets is not None:
-        lr = ref64[:-1].gather(-1, targets.reshape(-1, 1).long())[:, 0].numpy()
-        out.update(_mean("fid/ln_ppl_ratio", lr - target_logp.double().numpy()))
+        length = kl.size // windows
+        idx = targets.reshape(windows, length - 1, 1).long()
+        lr = ref64.reshape(windows, length, -1)[:, :-1].gather(-1, idx)[..., 0].numpy().ravel()
+        out.update(_mean("fid/ln_ppl_ratio", lr - target_logp.double().numpy().ravel(), windows))
     return out
 
 

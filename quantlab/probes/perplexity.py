@@ -1,12 +1,15 @@
-"""Token-level WikiText-2 perplexity over fixed non-overlapping windows.
+"""Token-level WikiText-2 perplexity over non-overlapping windows.
 
-This is the number GPTQ-style papers report: the test split's rows joined with
-"\\n\\n", tokenized once, cut into ``window``-token windows (the tail shorter
-than a window is dropped), each window scored on its own with no context from
-the previous one. Reported as ``ppl_token_wikitext2_w<window>`` (``..._first<n>``
-when only the first n windows are scored); not comparable to lm-eval's
-word-level ``word_perplexity/wikitext2_local``. The per-token NLLs are kept so
-that two points can be compared paired, token by token.
+The whole split is the number GPTQ-style papers report: the test split's
+rows joined with "\\n\\n", tokenized once, cut into ``window``-token windows
+(the tail shorter than a window is dropped), each window scored on its own
+with no context from the previous one: ``ppl_token_wikitext2_w<window>``. A
+sample of it is ``n`` windows drawn at random, seeded, among the windows
+inside each article (:func:`quantlab.corpus.random_windows`):
+``ppl_token_wikitext2_w<window>_rand<n>``, a different, noisier number whose
+unit of sampling is the window. Neither is comparable to lm-eval's
+word-level ``word_perplexity/wikitext2_local``. The per-token NLLs are kept
+(window by window, in draw order) so that two points can be compared paired.
 """
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantlab import decision, sequential
+from quantlab import corpus, decision, sequential
 from quantlab.errors import UserError
-from quantlab.uncertainty import block_stderr, mean_stderr
+from quantlab.uncertainty import MIN_UNITS, mean_stderr, unit_stderr
 
 
 def wikitext2_text(data_dir: str | None) -> str:
@@ -45,10 +48,25 @@ def windows(ids: torch.Tensor, window: int, max_windows: int | None) -> tuple[to
     return ids[: n * window].reshape(n, window), total
 
 
-def metric_name(window: int, n: int, total: int) -> str:
-    """``ppl_token_wikitext2_w2048`` over the whole text; ``..._first4`` over
-    its first 4 windows only (a different, noisier number)."""
-    return f"ppl_token_wikitext2_w{window}" + (f"_first{n}" if n < total else "")
+def sample(tokenizer, raw: str, window: int, max_windows: int | None, seed: int) -> tuple[torch.Tensor, str]:
+    """``(windows [n, window], metric name)``: every window of the split in
+    text order (``max_windows`` None, GPTQ's design), else ``max_windows``
+    drawn at random within articles (:func:`quantlab.corpus.random_windows`)."""
+    if max_windows is None:
+        ids = tokenizer(raw, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        wins, _ = windows(ids, window, None)
+        return wins, metric_name(window, len(wins), len(wins))
+    wins, _ = corpus.random_windows(tokenizer, raw, window, max_windows, seed)
+    return wins, metric_name(window, len(wins), None)
+
+
+def metric_name(window: int, n: int, total: int | None) -> str:
+    """``ppl_token_wikitext2_w2048`` over the whole text (``total`` windows,
+    all scored); ``..._rand16`` over 16 windows drawn at random (``total``
+    None); ``..._first4`` over the first 4 in text order (runs before the
+    random draw)."""
+    name = f"ppl_token_wikitext2_w{window}"
+    return name + (f"_rand{n}" if total is None else f"_first{n}" if n < total else "")
 
 
 @torch.inference_mode()
@@ -59,14 +77,12 @@ def token_nll(engine, wins: torch.Tensor) -> np.ndarray:
 
 def summary(nll: np.ndarray, name: str) -> dict[str, float]:
     """Perplexity exp(mean NLL) over every predicted token; the standard error
-    of ln(PPL) (``<name>_ln_stderr``) from block means of the tokens in text
-    order (``<name>_blocks`` of them: a window's tokens are correlated, see
-    :mod:`quantlab.uncertainty`), the per-token one as
-    ``<name>_ln_stderr_tokens`` (a narrower, secondary figure); the window count."""
-    se, blocks = block_stderr(nll.ravel())
-    return {name: math.exp(float(nll.mean())), f"{name}_ln_stderr": se,
-            f"{name}_ln_stderr_tokens": mean_stderr(nll.ravel()), f"{name}_blocks": float(blocks),
-            f"{name}_windows": float(nll.shape[0])}
+    of ln(PPL) (``<name>_ln_stderr``) from the window means (``<name>_windows``
+    of them, the unit: see :mod:`quantlab.uncertainty`; 0 for one window),
+    the per-token one as ``<name>_ln_stderr_tokens`` (a narrower, secondary
+    figure)."""
+    return {name: math.exp(float(nll.mean())), f"{name}_ln_stderr": unit_stderr(nll, nll.shape[0]),
+            f"{name}_ln_stderr_tokens": mean_stderr(nll.ravel()), f"{name}_windows": float(nll.shape[0])}
 
 
 def token_perplexity(engine, wins: torch.Tensor, total: int | None = None) -> dict[str, float]:
@@ -87,25 +103,25 @@ class Stopped:
 
 def adaptive_nll(engine, wins: torch.Tensor, ref_nll: np.ndarray, chunk: int, budgets: Sequence[float],
                  alpha: float, score_all: bool = False, progress: Callable[[str], None] = lambda _: None) -> Stopped:
-    """Score ``wins`` (the cap) ``chunk`` windows a look; after each look,
-    bound the loss ``1 - PPL(reference) / PPL(point)`` on the windows so far
-    (paired per-token NLL differences against ``ref_nll``, t on block means,
+    """Score ``wins`` (the cap, in their random draw order) ``chunk`` windows
+    a look, the first look at ``MIN_UNITS`` windows; after each look, bound
+    the loss ``1 - PPL(reference) / PPL(point)`` on the windows so far
+    (paired per-token NLL differences against ``ref_nll``, t on window means,
     each look at its share of ``alpha``: :mod:`quantlab.sequential`) and stop
     once every budget is decided. ``score_all``: score the cap whatever the
     bounds say (the sweep's baseline candidates: every other point is paired
     against their tokens)."""
     cap = len(wins)
-    looks = sequential.schedule(cap, chunk)
+    looks = sequential.schedule(cap, chunk, MIN_UNITS)
     parts, run_lo, run_hi, before = [], -math.inf, math.inf, 0
     for n, level in zip(looks, sequential.levels(alpha, looks, cap)):
         parts.append(token_nll(engine, wins[before:n]))
         before = n
         nll = np.concatenate(parts)
         diffs = (nll - ref_nll[:n]).ravel()
-        d_lo, d_hi = sequential.mean_bounds(diffs, level)
+        d_lo, d_hi = sequential.mean_bounds(diffs, n, level)
         run_lo, run_hi = max(run_lo, decision.relative(d_lo)), min(run_hi, decision.relative(d_hi))
-        lo, hi = sequential.effective(run_lo, run_hi, decision.relative(d_lo), decision.relative(d_hi),
-                                      decision.relative(float(diffs.mean())))
+        lo, hi = sequential.effective(run_lo, run_hi, decision.relative(float(diffs.mean())))
         progress(f"{n}/{cap} windows: loss against the reference in [{lo:.4f}, {hi:.4f}] (level {level:.2g})")
         if n < cap and not score_all and sequential.decided(lo, hi, budgets):
             within = [f"{b:g}" for b in budgets if hi <= b]
