@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
-from scipy import stats
+from scipy import special, stats
 
 LEVEL = 0.95
 ALPHA = 0.05
@@ -104,7 +104,8 @@ def quantile(alpha: float, units: int) -> float:
     ``units`` is 0 (unknown), infinite for one unit (no spread to estimate)."""
     if units <= 0:
         return z(alpha)
-    return math.inf if units < 2 else float(stats.t.ppf(1.0 - alpha, units - 1))
+    # scipy.special's inverse t: the same number as stats.t.ppf, ~50x faster (p-values bisect on it)
+    return math.inf if units < 2 else float(special.stdtrit(units - 1, 1.0 - alpha))
 
 
 def t_upper(mean: float, se: float, units: int, alpha: float) -> float:
