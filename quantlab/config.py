@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING
@@ -312,13 +314,39 @@ class RunConfig:
 MODEL_PATH_HINT = "model=hf and model=gguf need model.path=<hub id, local directory or .gguf file>"
 
 
+def _validate_model_path(cfg: ModelConfig) -> None:
+    """``model.path`` names something loadable, or one line says why: a
+    ``.gguf`` file that exists; for ``hf`` a local directory that exists (a
+    value that looks like a path: absolute, ``./``, ``~``, or more than one
+    ``/``), else a hub id, which with ``HF_HUB_OFFLINE`` set must be in the
+    local Hugging Face cache."""
+    if not cfg.path:
+        raise ValueError(MODEL_PATH_HINT)
+    local = Path(cfg.path).expanduser()
+    if cfg.source == "gguf":
+        if not local.is_file():
+            raise ValueError(f"model.path={cfg.path}: no such .gguf file")
+        return
+    if local.is_dir():
+        return
+    if cfg.path.startswith(("/", ".", "~")) or cfg.path.count("/") > 1:
+        raise ValueError(f"model.path={cfg.path}: no such model directory (model=hf takes a local directory or a "
+                         "hub id such as HuggingFaceTB/SmolLM2-135M-Instruct)")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(cfg.path, "config.json", revision=cfg.revision), str):
+            raise ValueError(f"model.path={cfg.path}: hub id not in the local Hugging Face cache and HF_HUB_OFFLINE is "
+                             "set (download it where the hub is reachable, or give a local directory)")
+
+
 def validate(cfg: Any, path: str = "") -> None:
     """Check every field's range (``metadata`` ``min`` / ``above``; for a list,
     each element) and the fields a choice requires, on the typed config
     ``OmegaConf.to_object`` made. Raises ``ValueError`` with one line naming
     the field, its value and the valid range."""
-    if isinstance(cfg, ModelConfig) and cfg.source in ("hf", "gguf") and not cfg.path:
-        raise ValueError(MODEL_PATH_HINT)
+    if isinstance(cfg, ModelConfig) and cfg.source in ("hf", "gguf"):
+        _validate_model_path(cfg)
     if isinstance(cfg, LoadProbeConfig):
         _validate_load(cfg, path)
     if isinstance(cfg, TrackingConfig):
@@ -382,11 +410,9 @@ def probe_context(p: ProbeConfig) -> tuple[int, str]:
     return max(asks)
 
 
-# SQLAlchemy dialect of a database tracking URI -> (driver module, what installs it)
-_DRIVERS = {"postgresql": ("psycopg2", "pip install 'quantlab[postgres]'"),
-            "postgresql+psycopg2": ("psycopg2", "pip install 'quantlab[postgres]'"),
-            "postgresql+psycopg": ("psycopg", "pip install 'psycopg[binary]', or use postgresql:// with "
-                                              "quantlab[postgres]")}
+# SQLAlchemy driver name -> the module it imports, where they differ
+_DRIVER_MODULES = {"mysqldb": "MySQLdb"}
+NOT_DATABASES = ("sqlite", "file", "http", "https", "databricks", "databricks-uc", "uc", "mlflow-artifacts")
 
 
 def shown_uri(uri: str) -> str:
@@ -395,11 +421,25 @@ def shown_uri(uri: str) -> str:
 
 
 def _validate_driver(uri: str, name: str) -> None:
-    """A database tracking URI whose driver is not installed is refused here,
-    not as a ``ModuleNotFoundError`` when the first point opens the store."""
-    dialect = uri.split("://", 1)[0] if "://" in uri else ""
-    if dialect in _DRIVERS and importlib.util.find_spec(_DRIVERS[dialect][0]) is None:
-        module, install = _DRIVERS[dialect]
+    """A database tracking URI (``dialect[+driver]://``) whose driver is not
+    installed is refused here, not as a ``ModuleNotFoundError`` when the first
+    point opens the store. The plain ``postgresql://`` form gets the driver
+    the installed SQLAlchemy picks for it (psycopg 3 from SQLAlchemy 2.1,
+    psycopg2 before); ``quantlab[postgres]`` installs both."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    if not scheme or scheme.split("+")[0] in NOT_DATABASES:
+        return
+    from sqlalchemy.dialects import registry
+    from sqlalchemy.exc import NoSuchModuleError
+
+    try:
+        dialect = registry.load(scheme.replace("+", "."))
+    except NoSuchModuleError:
+        raise ValueError(f"{name}={shown_uri(uri)}: unknown database dialect {scheme!r} (MLflow's stores: sqlite:///, "
+                         "postgresql://, mysql://, mssql://, or http(s):// for a server)") from None
+    module = _DRIVER_MODULES.get(dialect.driver, dialect.driver)
+    if importlib.util.find_spec(module) is None:
+        install = "pip install 'quantlab[postgres]'" if scheme.startswith("postgresql") else f"pip install {module}"
         raise ValueError(f"{name}={shown_uri(uri)}: needs the {module} driver, which is not installed ({install})")
 
 

@@ -114,7 +114,7 @@ def run_point(cfg: RunConfig) -> PointResult:
         check_choice("isolation", cfg.isolation, choices(RunConfig, "isolation"))
     except ValueError as e:
         raise UserError(str(e)) from None
-    client, exp_id = tracking.connect(cfg.tracking, tracking.SERVER_WAIT_S)
+    client, exp_id = _connect(cfg)
     ident, as_dict = identify(cfg)
     name = ident.name
     parent = os.environ.get(PARENT_ENV)
@@ -136,12 +136,22 @@ def run_point(cfg: RunConfig) -> PointResult:
     return _execute(cfg, run_id, name, client)
 
 
+def _connect(cfg: RunConfig):
+    """The point's tracking client and experiment. A server that stops
+    answering is waited for (:data:`quantlab.tracking.SERVER_WAIT_S`) only
+    when it answered before: under a sweep (whose start reached it) or
+    earlier in this process; before anything started, an unreachable server
+    is refused at once in one line (a wrong URI must not cost minutes)."""
+    known = os.environ.get(PARENT_ENV) or tracking.answered(cfg.tracking.uri)
+    return tracking.connect(cfg.tracking, tracking.SERVER_WAIT_S if known else 0.0)
+
+
 def record_lost(cfg: RunConfig, reason: str) -> PointResult:
     """A point whose worker or node died under it (the launcher saw its task
     fail, so nothing on that worker could log it): its RUNNING run under this
     sweep, or a new run when it never started one, ends FAILED with
     ``reason``. A rerun of the sweep redoes it (a failed run is never reused)."""
-    client, exp_id = tracking.connect(cfg.tracking, tracking.SERVER_WAIT_S)
+    client, exp_id = _connect(cfg)
     ident, as_dict = identify(cfg)
     parent = os.environ.get(PARENT_ENV)
     run = tracking.find_running(client, exp_id, ident.hash, parent)
@@ -155,7 +165,7 @@ def record_lost(cfg: RunConfig, reason: str) -> PointResult:
 def _execute(cfg: RunConfig, run_id: str, name: str, client=None) -> PointResult:
     """Measure, log what was measured (also after a failure) and close the run,
     turning any exception into a FAILED run."""
-    client = client or tracking.connect(cfg.tracking, tracking.SERVER_WAIT_S)[0]
+    client = client or _connect(cfg)[0]
     m = Measurement()
     try:
         with m.timed("point"):

@@ -42,6 +42,7 @@ _LOCKED = ("database is locked", "database table is locked")
 # (7 retries, backoff factor 2: ~4 minutes), so a server restarted within it
 # loses nothing. Checks before any work starts wait 0 s (one line, exit 2).
 SERVER_WAIT_S = 300.0
+_ANSWERED: set[str] = set()  # server URIs that answered this process: only those are waited for
 
 
 def retry(fn: Callable[..., T]) -> Callable[..., T]:
@@ -144,14 +145,22 @@ def _check_server(uri: str, wait_s: float = 0.0, timeout: float = 5.0) -> None:
     deadline, warned = time.monotonic() + wait_s, False
     while why := tracking_server.unreachable(uri, timeout):
         if time.monotonic() >= deadline:
-            raise UserError(f"tracking store {uri} unusable: server unreachable ({why})"
-                            + (f" for {wait_s:.0f} s" if wait_s else ""))
+            hint = f" for {wait_s:.0f} s" if wait_s else \
+                " (is the URI right? a server on this machine can be started by quantlab: tracking.serve=<dir>)"
+            raise UserError(f"tracking store {uri} unusable: server unreachable ({why}){hint}")
         if not warned:
             log.warning("tracking server %s unreachable (%s): waiting up to %.0f s for it", uri, why, wait_s)
             warned = True
         time.sleep(2.0)
+    _ANSWERED.add(uri)
     if warned:
         log.warning("tracking server %s answers again", uri)
+
+
+def answered(uri: str) -> bool:
+    """Whether the tracking server at ``uri`` answered this process before (a
+    server that then stops answering went away mid-work: worth waiting for)."""
+    return uri in _ANSWERED
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -345,16 +354,19 @@ def reap_dead(client: MlflowClient, experiment_id: str) -> list[str]:
 
 @functools.cache
 def git_commit() -> str:
-    """Commit of the quantlab checkout (``+dirty`` when modified), or ``unknown``."""
+    """Commit of the quantlab checkout (``+dirty`` when modified); ``not a git
+    checkout`` for an installed or copied tree, ``unknown`` without git. Git's
+    own messages never reach the console."""
     here = Path(__file__).resolve().parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                             text=True, check=True, timeout=5).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if head.returncode != 0:
+            return "not a git checkout"
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return sha + ("+dirty" if dirty else "")
+    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def versions(packages: Iterable[str] = ("torch", "transformers", "torchao", "mlflow", "quantlab")) -> dict[str, str]:

@@ -7,7 +7,10 @@ writers). With a server, the server process is the only writer and workers
 log over HTTP. ``tracking.serve`` (default ``mlruns/server`` in the
 ``server`` preset) is where a server quantlab starts keeps its store
 (``mlflow.db``) and the artifacts it serves (``artifacts/``); the server runs
-for the command's lifetime in its own process group and is stopped with it.
+for the command's lifetime in its own process group and is stopped with it;
+if it dies meanwhile it is restarted on the same port and store (one line
+says so; points waiting for it go on). A port another process holds is named
+in one line before anything starts.
 A server whose command was killed (kill -9 of the driver: nothing could stop
 it) is adopted by the next command that finds it at the same URI and store
 (``server.json`` there names it and its owner), and stopped with that one.
@@ -17,12 +20,15 @@ A URI naming another host is never started, only checked
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -88,12 +94,13 @@ def ensure(cfg: TrackingConfig, timeout_s: float = 120.0) -> Iterator[subprocess
                 stop(left.pid)
         return
     root.mkdir(parents=True, exist_ok=True)
+    if holder := port_holder(cfg.uri):
+        raise UserError(f"tracking server at {cfg.uri} cannot start: port {urlparse(cfg.uri).port} is in use by "
+                        f"{holder} (stop it, or choose another port in tracking.uri)")
     logfile = root / "server.log"
-    with open(logfile, "ab") as out:
-        proc = subprocess.Popen(command(cfg.uri, root, cfg.serve_backend), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+    keeper = _Keeper(cfg, root, logfile)
     try:
-        _own(root, cfg.uri, psutil.Process(proc.pid))
+        proc = keeper.start()
         deadline = time.monotonic() + timeout_s
         while unreachable(cfg.uri):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -106,11 +113,93 @@ def ensure(cfg: TrackingConfig, timeout_s: float = 120.0) -> Iterator[subprocess
         print(f"quantlab: started an MLflow tracking server at {cfg.uri} (runs in {shown_uri(store)}, artifacts and log "
               f"under {root}); it stops with this command. Browse later: mlflow ui --backend-store-uri "
               f"{shown_uri(store)}", file=sys.stderr, flush=True)
+        keeper.watch()
         yield proc
     finally:
-        stop(proc.pid)
-        proc.wait()
+        keeper.close()
         (root / OWNER_FILE).unlink(missing_ok=True)
+
+
+class _Keeper:
+    """The server quantlab started, kept alive for the command's lifetime: a
+    watcher thread restarts it (same command: same port and store) each time
+    it dies, with one line saying so; clients waiting for it
+    (:data:`quantlab.tracking.SERVER_WAIT_S`) then go on. A server that dies
+    again before answering is not restarted a further time."""
+
+    POLL_S = 1.0
+
+    def __init__(self, cfg: TrackingConfig, root: Path, logfile: Path):
+        self.cfg, self.root, self.logfile = cfg, root, logfile
+        self.proc: subprocess.Popen | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> subprocess.Popen:
+        with open(self.logfile, "ab") as out:
+            self.proc = subprocess.Popen(command(self.cfg.uri, self.root, self.cfg.serve_backend), stdout=out,
+                                         stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+        _own(self.root, self.cfg.uri, psutil.Process(self.proc.pid))
+        return self.proc
+
+    def watch(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="quantlab-tracking-server", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        answered = True  # the first server answered before watch() was called
+        while not self._done.wait(self.POLL_S):
+            with self._lock:
+                if self._done.is_set():
+                    return
+                if self.proc.poll() is None:
+                    answered = answered or not unreachable(self.cfg.uri, 0.5)
+                    continue
+                old, status = self.proc.pid, self.proc.returncode
+                stop(old)  # its workers too: one left holding the port would stop the new server binding it
+                if not answered:
+                    print(f"quantlab: the tracking server at {self.cfg.uri} (pid {old}) died again before answering "
+                          f"(status {status}); not restarting it (see {self.logfile})", file=sys.stderr, flush=True)
+                    return
+                new = self.start()
+                answered = False
+                print(f"quantlab: the tracking server at {self.cfg.uri} (pid {old}) died (status {status}); restarted "
+                      f"it on the same port and store (pid {new.pid})", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Stop watching, then stop the server (the current one after a restart)."""
+        with self._lock:
+            self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.proc is not None:
+            stop(self.proc.pid)
+            self.proc.wait()
+
+
+def port_holder(uri: str) -> str:
+    """'' when ``uri``'s port on this machine can be bound, else who holds it
+    ("pid P (command)" where the process can be found, else "another process")."""
+    u = urlparse(uri)
+    host, port = u.hostname or "127.0.0.1", u.port or 80
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT does not count
+        try:
+            s.bind((host, port))
+            return ""
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return ""  # not ours to judge (e.g. a privileged port): the server's own error says it
+    try:
+        for c in psutil.net_connections(kind="inet"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                p = psutil.Process(c.pid)
+                return f"pid {c.pid} ({' '.join(p.cmdline())[:120] or p.name()})"
+    except (psutil.Error, OSError):
+        pass
+    return "another process"
 
 
 def _own(root: Path, uri: str, server: psutil.Process) -> None:

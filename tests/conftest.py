@@ -88,7 +88,7 @@ def postgres():
     def database(name: str) -> str:
         subprocess.run([*as_pg, pg_bin("createdb") or "createdb", "-h", "127.0.0.1", "-p", str(port),
                         "-U", "postgres", name], check=True, capture_output=True)
-        return f"postgresql+psycopg2://postgres@127.0.0.1:{port}/{name}"
+        return f"postgresql://postgres@127.0.0.1:{port}/{name}"  # the plain form: SQLAlchemy's default driver
 
     try:
         yield database, root

@@ -206,21 +206,33 @@ def test_every_policy_the_config_offers_is_served():
 
 def test_a_postgres_store_without_its_driver_names_the_extra(monkeypatch):
     """Was a ``ModuleNotFoundError: No module named 'psycopg'`` when the first
-    point opened the store; now refused at compose time, password hidden."""
+    point opened the store; now refused at compose time, password hidden. The
+    plain form needs the driver SQLAlchemy picks for it, which the extra
+    installs; every database form is checked the same way."""
     import importlib.util
 
     import tomllib
+    from sqlalchemy.dialects import registry
 
     from quantlab.config import TrackingConfig, validate
     from tests.conftest import REPO
 
+    default = registry.load("postgresql").driver  # psycopg from SQLAlchemy 2.1, psycopg2 before
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n.startswith("psycopg") else real(n, *a))
-    with pytest.raises(ValueError, match=r"uri=postgresql://\*\*\*@db:5432/mlflow: needs the psycopg2 driver, "
+    with pytest.raises(ValueError, match=rf"uri=postgresql://\*\*\*@db:5432/mlflow: needs the {default} driver, "
                                          r"which is not installed \(pip install 'quantlab\[postgres\]'\)"):
         validate(TrackingConfig(uri="postgresql://me:secret@db:5432/mlflow"), "tracking.")
-    with pytest.raises(ValueError, match=r"needs the psycopg driver.*psycopg\[binary\]"):
-        validate(TrackingConfig(uri="postgresql+psycopg://db/mlflow"))
+    for driver in ("psycopg", "psycopg2"):
+        with pytest.raises(ValueError, match=rf"needs the {driver} driver.*quantlab\[postgres\]"):
+            validate(TrackingConfig(uri=f"postgresql+{driver}://db/mlflow"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "pymysql" else real(n, *a))
+    with pytest.raises(ValueError, match=r"mysql\+pymysql://db/m: needs the pymysql driver.*pip install pymysql"):
+        validate(TrackingConfig(uri="mysql+pymysql://db/m"))
+    with pytest.raises(ValueError, match=r"unknown database dialect 'postgres'"):
+        validate(TrackingConfig(uri="postgres://db/m"))
     validate(TrackingConfig(uri="sqlite:///m.db"))
+    validate(TrackingConfig(uri="http://127.0.0.1:5000"))
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert any(d.startswith("psycopg2") for d in extras["postgres"])
+    installs = {d.split(">")[0].split("[")[0] for d in extras["postgres"]}
+    assert {"psycopg", "psycopg2-binary"} <= installs and any(d.startswith("psycopg[binary]") for d in extras["dev"])
