@@ -111,9 +111,22 @@ def preflight(argv: list[str]) -> TrackingConfig:
             cfg = compose(config_name="config", overrides=first)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(f"invalid config: {_one_line(e)}") from None
-    tracking = to_point(cfg).tracking
-    check_launcher(argv, tracking.uri)
-    return tracking
+    point = to_point(cfg)
+    check_launcher(argv, point.tracking.uri)
+    _say_if_engine_missing(point)
+    return point.tracking
+
+
+def _say_if_engine_missing(point: RunConfig) -> None:
+    """One line, before any model loads, when the first point's target has no
+    engine here (vLLM's venv not built, no CUDA device): each of its points
+    is recorded as skipped with this reason, at no model-loading cost."""
+    from quantlab import targets
+
+    target = targets.get(point.target)
+    if target.hardware() is None:
+        print(f"quantlab: warning: target={point.target.name}: {target.missing_reason()}; its points are recorded "
+              "as skipped", file=sys.stderr, flush=True)
 
 
 FILE_STORES = ("sqlite:", "file:", "/", ".")

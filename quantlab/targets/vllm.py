@@ -38,7 +38,7 @@ from quantlab.export import cache as export_cache
 from quantlab.export.cache import content_key
 from quantlab.hardware import Hardware
 from quantlab.schemes.registry import Applied, Support, weights_handler
-from quantlab.serving.vllm_server import BUILD, ServerArgs, python_path
+from quantlab.serving.vllm_server import BUILD, ServerArgs, cache_root, python_path
 from quantlab.targets import register
 from quantlab.targets.base import Target, worst
 
@@ -65,9 +65,9 @@ class VllmTarget(Target):
     def missing_reason(self) -> str:
         if python_path(self.cfg.python):
             return "target.device=cuda and no CUDA device is visible to torch here"
-        where = self.cfg.python or "$QUANTLAB_VLLM_PYTHON"
-        return (f"vLLM's interpreter not found ({where}): vLLM runs from its own venv; {BUILD} builds one and "
-                "prints its python (set target.python or QUANTLAB_VLLM_PYTHON to it)")
+        where = self.cfg.python or f"$QUANTLAB_VLLM_PYTHON unset, no venv built under {cache_root()}"
+        return (f"vLLM's interpreter not found ({where}): vLLM runs from its own venv; {BUILD} builds one where "
+                "quantlab finds it (or set target.python / QUANTLAB_VLLM_PYTHON to another)")
 
     def supports(self, weights: Any, kv: Any) -> Support:
         hw = self.hardware()
