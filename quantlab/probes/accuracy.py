@@ -7,6 +7,7 @@ drawn once per task from a seeded RNG and passed to lm-eval as ``samples``.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -160,15 +161,24 @@ def evaluate(engine, tokenizer, cfg: AccuracyProbeConfig, data_dir: str | None,
     return metrics, res["results"], items
 
 
+@functools.lru_cache(maxsize=4)
+def task_manager(include: str):
+    """lm-eval's task index over its own tasks and quantlab's under
+    ``include``, built once per process: indexing reads every task YAML
+    lm-eval ships (seconds), which each adaptive look paid again."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include)
+
+
 def run_lm_eval(lm, tasks: list[str], include: Path, seed: int, samples: dict[str, list[int]] | None,
                 limit: int | None = None) -> dict:
     """lm-eval's ``simple_evaluate`` on ``lm`` (an :class:`EngineLM`), seeded,
     its per-document samples logged, no bootstrap."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     return simple_evaluate(model=lm, tasks=tasks, samples=samples, limit=limit,
-                           task_manager=TaskManager(include_path=str(include)), log_samples=True,
+                           task_manager=task_manager(str(include)), log_samples=True,
                            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                            fewshot_random_seed=seed, bootstrap_iters=0)
 
