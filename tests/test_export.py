@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -154,8 +155,9 @@ def test_w8a8_reload_quantizes_its_activations(store, tmp_path, monkeypatch):
 def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path):
     """Four bits a weight on disk (eight to an int32), and the very integers and
     zero points the point's kernel computes with; the zero points packed too
-    (``group``, the layout vLLM reads), the manifest says how transformers
-    reloads it (``dequantize=True``)."""
+    (``group``, the layout vLLM reads); a plain ``from_pretrained(path)`` in
+    a fresh process reads it (``dequantize: true`` in the checkpoint's own
+    config: transformers' compressed path cannot read packed zero points)."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from quantlab.compose import config_from_dict
     from quantlab.export.run import rebuild
@@ -179,7 +181,12 @@ def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path)
         "weights"]["strategy"] == "group"
     manifest = json.loads((out / "quantlab.json").read_text())
     assert manifest["transformers_load"]["quantization_config"] == {"dequantize": True}
-    assert manifest["round_trip"]["passed"]
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["dequantize"] is True
+    assert manifest["round_trip"]["passed"]  # reloaded plainly, in a fresh process
+    plain = subprocess.run([sys.executable, "-c", "import sys; from transformers import AutoModelForCausalLM; "
+                            "AutoModelForCausalLM.from_pretrained(sys.argv[1])", str(out)],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert plain.returncode == 0, plain.stderr[-2000:]
     assert t["model.layers.0.mlp.down_proj.weight_scale"].dtype == torch.bfloat16
     assert torch.equal(t["model.layers.0.mlp.down_proj.weight_scale"].float(), scale)
 

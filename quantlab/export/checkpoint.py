@@ -17,6 +17,7 @@ exactly from the fp32 dequantized weights and the point's scales).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -99,17 +100,25 @@ def write(model, tok, spec: dict, dense, dest: Path) -> str:
     dense.config.dtype = dtype
     dense.save_pretrained(dest, safe_serialization=True)
     compressor.update_config(str(dest))
+    if load := transformers_load(spec):  # plain from_pretrained(dest) reads it; vLLM ignores the key
+        config = json.loads((dest / "config.json").read_text())
+        config["quantization_config"].update(load["quantization_config"])
+        (dest / "config.json").write_text(json.dumps(config, indent=2))
     tok.save_pretrained(dest)
     return format_name("checkpoint", spec)
 
 
 def transformers_load(spec: dict) -> dict:
-    """How transformers reloads a checkpoint of mapping ``spec``: the
-    ``CompressedTensorsConfig`` keywords to pass to ``from_pretrained`` and
-    why (``{}``: as is). Asymmetric ``pack-quantized`` ``group`` groups need
-    ``dequantize=True`` with transformers 5.24 / compressed-tensors 0.20.1
-    (the compressed path initialises their packed zero points unpacked and
-    the load fails on the shape); vLLM reads them packed as written."""
+    """What transformers needs to reload a checkpoint of mapping ``spec``
+    beyond its weights: ``CompressedTensorsConfig`` keywords, which
+    :func:`write` puts in the checkpoint's own ``quantization_config`` so
+    that a plain ``from_pretrained(path)`` reads it, and why (``{}``: none).
+    Asymmetric ``pack-quantized`` ``group`` groups need ``dequantize=True``
+    with transformers 5.24 / compressed-tensors 0.20.1 (the compressed path
+    initialises their packed zero points unpacked and the load fails on the
+    shape; transformers decompresses compressed-tensors int4 before its
+    first forward either way); vLLM reads them packed as written and ignores
+    the key."""
     if any(g["format"] == "pack-quantized" and not g["args"]["symmetric"] and g["args"]["strategy"] == "group"
            for g in groups(spec)):
         return {"quantization_config": {"dequantize": True},

@@ -72,17 +72,12 @@ def logits_and_greedy(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return logits, greedy
 
 
-def verify_in_fresh_process(dest: Path, reference: Path, trust_remote_code: bool = False,
-                            dequantize: bool = False) -> dict:
-    """Reload ``dest`` in a new interpreter; compare with the saved reference.
-    ``dequantize``: reload through compressed-tensors' decompression
-    (``CompressedTensorsConfig(dequantize=True)``, see
-    :func:`quantlab.export.checkpoint.transformers_load`)."""
+def verify_in_fresh_process(dest: Path, reference: Path, trust_remote_code: bool = False) -> dict:
+    """Reload ``dest`` in a new interpreter with a plain ``from_pretrained``
+    (as its users load it); compare with the saved reference."""
     cmd = [sys.executable, "-m", "quantlab.export.roundtrip", str(dest), str(reference)]
     if trust_remote_code:
         cmd.append("--trust-remote-code")
-    if dequantize:
-        cmd.append("--dequantize")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -92,15 +87,12 @@ def verify_in_fresh_process(dest: Path, reference: Path, trust_remote_code: bool
     return json.loads(lines[-1])
 
 
-def verify_main(dest: str, reference: str, trust_remote_code: bool, dequantize: bool = False) -> int:
+def verify_main(dest: str, reference: str, trust_remote_code: bool) -> int:
     """The fresh process of :func:`verify_in_fresh_process`: one JSON line."""
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import AutoModelForCausalLM
 
     ref = load_file(reference)
-    quantized = "quantization_config" in json.loads((Path(dest) / "config.json").read_text())
-    extra = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if dequantize and quantized else {}
-    model = AutoModelForCausalLM.from_pretrained(dest, use_safetensors=True, trust_remote_code=trust_remote_code,
-                                                 **extra).eval()
+    model = AutoModelForCausalLM.from_pretrained(dest, use_safetensors=True, trust_remote_code=trust_remote_code).eval()
     logits, greedy = logits_and_greedy(model, ref["ids"])
     kl = kl_per_token(ref["logits"], logits)
     out = {"max_abs_diff": float((logits - ref["logits"]).abs().max()),
@@ -149,6 +141,5 @@ def gguf_check(path: Path, engine, model: torch.nn.Module, ids: torch.Tensor, wa
     return out
 
 
-if __name__ == "__main__":  # the round trip's fresh process: DEST REFERENCE [--trust-remote-code] [--dequantize]
-    raise SystemExit(verify_main(sys.argv[1], sys.argv[2], "--trust-remote-code" in sys.argv[3:],
-                                 "--dequantize" in sys.argv[3:]))
+if __name__ == "__main__":  # the round trip's fresh process: DEST REFERENCE [--trust-remote-code]
+    raise SystemExit(verify_main(sys.argv[1], sys.argv[2], "--trust-remote-code" in sys.argv[3:]))

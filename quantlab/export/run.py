@@ -95,8 +95,8 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
             ref_file = Path(ref_dir) / "reference.safetensors"
             save_file({"ids": ids, "logits": logits.contiguous(), "greedy": greedy,
                        "float_logits": float_logits.contiguous()}, ref_file)
-            load = checkpoint.transformers_load(spec)
-            check = roundtrip.verify_in_fresh_process(tmp, ref_file, dequantize=bool(load))
+            load = checkpoint.transformers_load(spec)  # in the checkpoint's config: a plain reload reads it
+            check = roundtrip.verify_in_fresh_process(tmp, ref_file)
         check.update(roundtrip.round_trip_verdict(check, point_from_float, tolerance))
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {"source_run_id": run_id, "run_name": run.info.run_name, "format": fmt,
