@@ -153,6 +153,24 @@ def test_the_build_scripts_venv_is_found_and_the_variable_still_wins(tmp_path, m
     assert python_path("/nonexistent/python") is None  # target.python named: no fallback
 
 
+def test_on_an_amx_host_vllms_processes_ask_for_amx_first(tmp_path, monkeypatch):
+    """vLLM 0.32's CPU int kernels use AMX without asking Linux for it: their
+    worker died with SIGILL at the first request on an AMX Xeon (measured
+    2026-12-04; served after the permission was asked). Every process of the
+    server (spawned workers too) runs the sitecustomize that asks."""
+    from quantlab import hardware
+    from quantlab.serving.vllm_server import AMX_SITE
+
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/quantlab")
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512f", "amx_tile"}))
+    assert ServerArgs(tmp_path).env()["PYTHONPATH"] == str(AMX_SITE)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert "PYTHONPATH" not in ServerArgs(tmp_path).env()  # quantlab's own never leaks into vLLM's
+    ok = subprocess.run([sys.executable, "-S", "-c", "import sitecustomize; print(sitecustomize.__file__)"],
+                        env={"PYTHONPATH": str(AMX_SITE)}, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stdout.strip() == str(AMX_SITE / "sitecustomize.py"), ok.stderr
+
+
 def test_a_sweep_on_a_missing_engine_says_so_once_before_loading(tmp_path):
     uri = f"sqlite:///{tmp_path}/m.db"
     env = {**os.environ, "QUANTLAB_CACHE": str(tmp_path / "empty"), "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}

