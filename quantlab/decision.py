@@ -229,8 +229,14 @@ def _sequential(metric: str, metrics: dict, items: dict, base_metrics: dict, bas
     look_upper = lambda n, level: uncertainty.unit_upper(pairs[n].diff, pairs[n].stderr, n, level)  # noqa: E731
     return Loss(max(0.0, relative(diff)), Bound(
         relative(diff), _clamp(lambda al: relative(sequential.upper(al, looks, cap, look_upper, diff))),
-        f"anytime-valid over {len(looks)} looks of {chunk} windows (cap {cap}), paired t on windows"
+        f"anytime-valid over {_looks_text(looks, 'windows', cap)}, paired t on windows"
         + _crossed(looks, cap, look_upper, diff)), True)
+
+
+def _looks_text(looks: list[int], unit: str, cap: int) -> str:
+    """The looks a bound is valid over, as the report prints them: ``2 looks
+    (8, 12 windows; cap 16)``."""
+    return f"{len(looks)} look{'s' if len(looks) > 1 else ''} ({', '.join(map(str, looks))} {unit}; cap {cap})"
 
 
 def _crossed(looks, cap: int, look_upper, estimate: float) -> str:
@@ -264,5 +270,5 @@ def _sequential_docs(metric: str, metrics: dict, items: dict, base_items: dict, 
     diff = (sum(b) - sum(a)) / len(a)
     return Loss(max(0.0, diff / base_acc), Bound(
         diff / base_acc, _clamp(lambda al: sequential.upper(al, looks, cap, look_upper, diff) / base_acc),
-        f"anytime-valid over {len(looks)} looks of {chunk} documents (cap {cap}), paired Tango score"
+        f"anytime-valid over {_looks_text(looks, 'documents', cap)}, paired Tango score"
         + _crossed(looks, cap, look_upper, diff)), True)

@@ -78,7 +78,8 @@ def test_the_report_bounds_an_adaptive_point_over_its_looks_paired_by_document()
                           {METRIC: float(ref.mean())},
                           {METRIC: list(ref[order]), f"doc_ids/{TASK}": [float(d) for d in order]})
     assert fixed.value == pytest.approx(seq.value) and seq.upper > fixed.upper > seq.value
-    assert seq.bound.method.startswith("anytime-valid over 8 looks of 50 documents (cap 400), paired Tango")
+    assert seq.bound.method.startswith(
+        "anytime-valid over 8 looks (50, 100, 150, 200, 250, 300, 350, 400 documents; cap 400), paired Tango")
     assert fixed.bound.method.startswith("paired Tango score on 400 documents")
 
 
