@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from quantlab.compose import register_configs
 from quantlab import tracking_server
-from quantlab.config import MODEL_PATH_HINT, RunConfig, TrackingConfig, validate
+from quantlab.config import MODEL_PATH_HINT, RunConfig, validate
 from quantlab.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -95,10 +95,12 @@ def _one_line(e: BaseException) -> str:
     return ": ".join(parts)
 
 
-def preflight(argv: list[str]) -> TrackingConfig:
+def preflight(argv: list[str]) -> RunConfig:
     """Compose and check the first point of the command line before Hydra
     starts anything, so a bad value (``seed=abc``, ``probe.latency.new_tokens=-5``)
-    fails in one line with exit 2, not after a sweep's parent run is made."""
+    fails in one line with exit 2, not after a sweep's parent run is made.
+    Returns the first point's typed config (its tracking settings start or
+    check the store before anything else)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -113,8 +115,7 @@ def preflight(argv: list[str]) -> TrackingConfig:
         raise UserError(f"invalid config: {_one_line(e)}") from None
     point = to_point(cfg)
     check_launcher(argv, point.tracking.uri)
-    _say_if_engine_missing(point)
-    return point.tracking
+    return point
 
 
 def _say_if_engine_missing(point: RunConfig) -> None:
@@ -214,7 +215,9 @@ def main() -> None:
     try:
         for w in check_overrides(sys.argv[1:]):
             print(f"quantlab: warning: {w}", file=sys.stderr)
-        with tracking_server.ensure(preflight(sys.argv[1:])):
+        first = preflight(sys.argv[1:])
+        with tracking_server.ensure(first.tracking):
+            _say_if_engine_missing(first)  # after the store answers: this imports torch (seconds)
             _main()
     except UserError as e:
         print(f"quantlab: {e}", file=sys.stderr)

@@ -154,7 +154,9 @@ def record_lost(cfg: RunConfig, reason: str) -> PointResult:
     client, exp_id = _connect(cfg)
     ident, as_dict = identify(cfg)
     parent = os.environ.get(PARENT_ENV)
-    run = tracking.find_running(client, exp_id, ident.hash, parent)
+    # RUNNING, or already KILLED by another point's reap_dead (the lost worker ran on this host)
+    run = tracking.find_running(client, exp_id, ident.hash, parent) or (
+        tracking.find_running(client, exp_id, ident.hash, parent, "KILLED") if parent else None)
     run_id = run.info.run_id if run is not None else tracking.start_run(
         client, exp_id, ident.name, base_tags(cfg, ident), parent_id=parent, params=run_params(cfg, ident, as_dict))
     log.error("[%s] failed: %s", ident.name, reason)

@@ -145,9 +145,7 @@ def _check_server(uri: str, wait_s: float = 0.0, timeout: float = 5.0) -> None:
     deadline, warned = time.monotonic() + wait_s, False
     while why := tracking_server.unreachable(uri, timeout):
         if time.monotonic() >= deadline:
-            hint = f" for {wait_s:.0f} s" if wait_s else \
-                " (is the URI right? a server on this machine can be started by quantlab: tracking.serve=<dir>)"
-            raise UserError(f"tracking store {uri} unusable: server unreachable ({why}){hint}")
+            raise tracking_server.refused(uri, why, wait_s)
         if not warned:
             log.warning("tracking server %s unreachable (%s): waiting up to %.0f s for it", uri, why, wait_s)
             warned = True
@@ -318,11 +316,13 @@ def find_finished(client: MlflowClient, experiment_id: str, point_hash: str, hos
 
 
 @retry
-def find_running(client: MlflowClient, experiment_id: str, point_hash: str, parent_id: str | None):
-    """The newest RUNNING run of this point under ``parent_id`` (any parent when None), or None."""
+def find_running(client: MlflowClient, experiment_id: str, point_hash: str, parent_id: str | None,
+                 status: str = "RUNNING"):
+    """The newest run of this point in ``status`` under ``parent_id`` (any
+    parent when None), or None."""
     parent = f" and tags.`{PARENT_TAG}` = '{parent_id}'" if parent_id else ""
     runs = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{HASH_TAG}` = '{point_hash}' and attributes.status = 'RUNNING'{parent}",
+        [experiment_id], filter_string=f"tags.`{HASH_TAG}` = '{point_hash}' and attributes.status = '{status}'{parent}",
         order_by=["attributes.start_time DESC"], max_results=1)
     return runs[0] if runs else None
 

@@ -58,6 +58,14 @@ def unreachable(uri: str, timeout_s: float = 2.0) -> str:
     return ""
 
 
+def refused(uri: str, why: str, waited_s: float = 0.0) -> UserError:
+    """The one line for a tracking server that does not answer (after
+    ``waited_s`` of waiting, or at once)."""
+    hint = f" for {waited_s:.0f} s" if waited_s else \
+        " (is the URI right? a server on this machine can be started by quantlab: tracking.serve=<dir>)"
+    return UserError(f"tracking store {uri} unusable: server unreachable ({why}){hint}")
+
+
 def command(uri: str, root: Path, backend: str | None = None) -> list[str]:
     """``mlflow server`` for ``uri``'s host and port, its served artifacts
     under ``root``, its runs in ``backend`` (a database URI; None: SQLite
@@ -75,9 +83,13 @@ def ensure(cfg: TrackingConfig, timeout_s: float = 120.0) -> Iterator[subprocess
     leaving), or from a server started here under ``cfg.serve`` (yields its
     process, stopped on leaving the block, also on an exception or
     ``sys.exit``). Raises UserError in one line when the server exits or
-    stays silent at start."""
+    stays silent at start, when its port is held by another process, or when
+    a server quantlab does not start (``tracking.serve=null``, another host)
+    does not answer."""
     u = urlparse(cfg.uri)
     if not cfg.serve or u.scheme != "http" or u.hostname not in LOCAL_HOSTS:
+        if u.scheme in ("http", "https") and (why := unreachable(cfg.uri)):
+            raise refused(cfg.uri, why)  # before anything is imported or started: a wrong URI is one line
         yield None
         return
     root = Path(cfg.serve).expanduser().resolve()

@@ -113,11 +113,15 @@ def test_one_switch_makes_both_adaptive_probes_adaptive_and_round_trips():
     assert off.probe.perplexity.adaptive and not off.probe.accuracy.adaptive  # false leaves each as set
 
 
-def test_every_preset_passes_validation():
+def test_every_preset_passes_validation(tmp_path):
+    """model.path is checked at compose time: the hf and gguf presets get a
+    directory and a file that exist."""
     from quantlab.config import validate
 
+    (tmp_path / "x.gguf").touch()
+    extra = {"model": {"hf": [f"model.path={tmp_path}"], "gguf": [f"model.path={tmp_path / 'x.gguf'}"]}}
     for group, preset in CASES:
-        validate(compose_cfg([f"{group}={preset}", *EXTRA.get(group, {}).get(preset, [])]))
+        validate(compose_cfg([f"{group}={preset}", *extra.get(group, {}).get(preset, [])]))
 
 
 def test_a_run_starts_without_third_party_import_noise(tmp_path):
