@@ -20,12 +20,10 @@ A URI naming another host is never started, only checked
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +36,7 @@ from urllib.parse import urlparse
 
 import psutil
 
+from quantlab import ports
 from quantlab.config import TrackingConfig, shown_uri
 from quantlab.errors import UserError
 
@@ -106,9 +105,9 @@ def ensure(cfg: TrackingConfig, timeout_s: float = 120.0) -> Iterator[subprocess
                 stop(left.pid)
         return
     root.mkdir(parents=True, exist_ok=True)
-    if holder := port_holder(cfg.uri):
-        raise UserError(f"tracking server at {cfg.uri} cannot start: port {urlparse(cfg.uri).port} is in use by "
-                        f"{holder} (stop it, or choose another port in tracking.uri)")
+    if why := ports.unavailable(u.hostname, u.port or 80):
+        raise UserError(f"tracking server at {cfg.uri} cannot start: port {u.port or 80} {why} (stop it, or choose "
+                        "another port in tracking.uri)")
     logfile = root / "server.log"
     keeper = _Keeper(cfg, root, logfile)
     try:
@@ -188,30 +187,6 @@ class _Keeper:
         if self.proc is not None:
             stop(self.proc.pid)
             self.proc.wait()
-
-
-def port_holder(uri: str) -> str:
-    """'' when ``uri``'s port on this machine can be bound, else who holds it
-    ("pid P (command)" where the process can be found, else "another process")."""
-    u = urlparse(uri)
-    host, port = u.hostname or "127.0.0.1", u.port or 80
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT does not count
-        try:
-            s.bind((host, port))
-            return ""
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                return ""  # not ours to judge (e.g. a privileged port): the server's own error says it
-    try:
-        for c in psutil.net_connections(kind="inet"):
-            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
-                p = psutil.Process(c.pid)
-                return f"pid {c.pid} ({' '.join(p.cmdline())[:120] or p.name()})"
-    except (psutil.Error, OSError):
-        pass
-    return "another process"
 
 
 def _own(root: Path, uri: str, server: psutil.Process) -> None:

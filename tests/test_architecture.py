@@ -20,7 +20,7 @@ PKG = Path(__file__).resolve().parent.parent / "quantlab"
 # import its own layer and the ones below; the most specific prefix decides.
 LAYERS = [
     ("base", ["errors", "digest", "point", "divergence", "decode", "stats", "uncertainty", "sequential", "pareto", "measurement",
-              "hardware", "contention", "decision", "config", "corpus"]),
+              "hardware", "contention", "decision", "config", "corpus", "ports"]),
     ("data", ["models", "calibration", "tracking", "tracking_server", "plots"]),
     ("schemes", ["schemes"]),
     ("serving", ["serving"]),

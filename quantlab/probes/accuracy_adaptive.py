@@ -154,13 +154,12 @@ def run(engine, tok, cfg: AccuracyProbeConfig, data_dir: str | None, cache_dir: 
     each task stopped. ``reference_engine()`` builds the reference model on a
     cache miss only."""
     from quantlab.probes import lm_adapter
-    from quantlab.probes.lm_adapter import EngineLM
 
     include, counts = accuracy.prepare_tasks(list(cfg.tasks), data_dir, cache_dir)
     orders = orders_for(cfg, counts, seed)
 
     def scorer(eng, looks: list):
-        lm = EngineLM(eng, tok, batch_size=cfg.batch_size, max_length=cfg.max_length)
+        lm = lm_adapter.EngineLM(eng, tok, batch_size=cfg.batch_size, max_length=cfg.max_length)
 
         def run_docs(want: dict[str, list[int]]) -> dict:
             res = accuracy.run_lm_eval(lm, list(want), include, seed, {t: sorted(d) for t, d in want.items()})

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quantlab import hardware
+from quantlab import hardware, ports
 from quantlab.errors import UserError
 from quantlab.serving.streaming import StreamingPolicy
 
@@ -61,11 +61,8 @@ def python_path(configured: str | None) -> str | None:
     if path:
         path = shutil.which(os.path.expanduser(path)) or os.path.expanduser(path)
         return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
-    root = cache_root()
-    built = sorted((d for d in root.glob("*") if (d / COMPLETE).is_file()), key=lambda d: d.stat().st_mtime,
-                   reverse=True) if root.is_dir() else []
-    built.sort(key=lambda d: d.name != DEFAULT_VENV)  # stable: the default first, the rest newest first
-    for venv in built:
+    built = [d for d in cache_root().glob("*") if (d / COMPLETE).is_file()]
+    for venv in sorted(built, key=lambda d: (d.name != DEFAULT_VENV, -d.stat().st_mtime)):  # default, then newest
         exe = venv / "bin" / "python"
         if os.access(exe, os.X_OK):
             return str(exe)
@@ -80,12 +77,8 @@ def free_port() -> int:
 
 def check_port(port: int) -> None:
     """One line when ``port`` on 127.0.0.1 is taken (before anything starts)."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as e:
-            raise UserError(f"vllm: port {port} on 127.0.0.1 is in use ({e.strerror}); set target.port=null "
-                            "(a free port) or another one") from None
+    if why := ports.unavailable("127.0.0.1", port):
+        raise UserError(f"vllm: port {port} on 127.0.0.1 {why}; set target.port=null (a free port) or another one")
 
 
 @dataclass
