@@ -195,8 +195,12 @@ PROXIES = {"kl": "fp32, dequantized layer", "fisher": "diagonal Fisher, sampled 
 
 
 def solve(table: Table, budget: float, kind: str = "bits") -> dict[str, str]:
-    """One candidate per layer, least summed KL with summed cost (see
-    :meth:`Table.cost`) <= ``budget``."""
+    """One candidate per layer with summed cost (see :meth:`Table.cost`) <=
+    ``budget`` and a small summed KL: the Lagrangian relaxation's recipe,
+    filled greedily with the upgrades that save the most KL per unit of cost.
+    Not always the least (a multiple-choice knapsack), but never worse than a
+    uniform recipe that fits: where one is better (a relaxation gap), it is
+    returned."""
     if kind == "ms" and not table.ms:
         raise UserError("a latency budget needs the table's per-layer times (time_layers)")
     cost = table.cost(kind)
@@ -231,8 +235,11 @@ def solve(table: Table, budget: float, kind: str = "bits") -> dict[str, str]:
                 if extra > 0 and saved > 0 and used + extra <= budget and saved / extra > best_rate:
                     best, best_rate = (n, c), saved / extra
         if best is None:
-            return choice
+            break
         choice[best[0]] = best[1]
+    uniform = [{n: c for n in table.layers} for c in table.candidates]
+    fits = [u for u in uniform if spent(u) <= budget]
+    return min([choice, *fits], key=lambda r: (table.predicted_kl(r), spent(r)))
 
 
 def _forward_ms(module: torch.nn.Module, x: torch.Tensor, repeats: int) -> float:
@@ -322,10 +329,10 @@ def _model_config(name: str):
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m quantlab.sensitivity") -> int:
     import os
 
-    ap = argparse.ArgumentParser(prog="python -m quantlab.sensitivity", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="a conf/model preset")
     ap.add_argument("--candidates", default="int4-g64,int4-g32,int8")
     ap.add_argument("--budgets", default="5.0", help="comma-separated budgets, in --budget-kind units")
