@@ -209,5 +209,16 @@ def gguf(cfg: KVScheme) -> Mapping:
     return Mapping({"type": _GGUF_CACHE[type(cfg)]})
 
 
+_VLLM_CACHE = {NoKV: "auto", FP8KV: "fp8"}
+
+
+def vllm(cfg: KVScheme) -> Mapping:
+    """vLLM's ``--kv-cache-dtype``: its own fp8 cache (per-tensor scales), or
+    none; quantlab's int8 and int4 layouts have no vLLM counterpart."""
+    if type(cfg) not in _VLLM_CACHE:
+        return Mapping(reason=f"{cfg.short_name()}: quantlab's cache layout has no vLLM --kv-cache-dtype (fp8 maps)")
+    return Mapping({"kv_cache_dtype": _VLLM_CACHE[type(cfg)]})
+
+
 for _name, _cls in (("none", NoKV), ("int8", Int8KV), ("int4", Int4KV), ("fp8", FP8KV)):
-    register_kv(_name, _cls, support, apply, gguf=gguf)
+    register_kv(_name, _cls, support, apply, gguf=gguf, vllm=vllm)

@@ -9,7 +9,7 @@ A handler is two functions:
   which backend served it.
 
 Plus, optionally, how other formats and runtimes represent the scheme
-(``formats``: ``"checkpoint"`` for export, ``"neuron"``, ``"gguf"``), each a
+(``formats``: ``"checkpoint"`` for export, ``"neuron"``, ``"gguf"``, ``"vllm"``), each a
 function ``cfg -> Mapping``; export and targets ask ``handler.mapping(name, cfg)``
 (and ``handler.cannot_compile(cfg, device)``) instead of testing scheme types
 or reading scheme fields: no code outside ``schemes/`` does either.

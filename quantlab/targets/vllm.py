@@ -16,7 +16,7 @@ weight-only kernel; the server's first real request confirms the rest (a
 kernel it lacks fails the point in one line, nothing left running). Each
 point also logs ``parity/*``: the served checkpoint against quantlab's
 in-memory point on the same tokens.
-KV schemes map to ``--kv-cache-dtype``: ``fp8`` -> ``fp8``; quantlab's int8 and
+KV schemes map to ``--kv-cache-dtype`` through their ``vllm`` format mapping: ``fp8`` -> ``fp8``; int8 and
 int4 caches have no vLLM equivalent here.
 """
 from __future__ import annotations
@@ -37,15 +37,12 @@ from quantlab.export import checkpoint, formats
 from quantlab.export import cache as export_cache
 from quantlab.export.cache import content_key
 from quantlab.hardware import Hardware
-from quantlab.schemes.registry import Applied, Support, weights_handler
+from quantlab.schemes.registry import Applied, Support, kv_handler, weights_handler
 from quantlab.serving.vllm_server import BUILD, ServerArgs, cache_root, python_path
 from quantlab.targets import register
 from quantlab.targets.base import Target, worst
 
 log = logging.getLogger("quantlab")
-
-# quantlab's KV scheme (short name) -> vLLM's --kv-cache-dtype
-_KV = {"": "auto", "kvfp8": "fp8"}
 
 
 class VllmTarget(Target):
@@ -83,9 +80,9 @@ class VllmTarget(Target):
         else:
             w = Support("real", f"vLLM on compressed-tensors {m.spec['format']}" if m.spec["format"] != "hf"
                         else "")
-        kv_name = kv.short_name()
-        k = (Support("real", f"--kv-cache-dtype {_KV[kv_name]}" if kv_name else "") if kv_name in _KV else
-             Support("unsupported", f"{kv_name}: quantlab's cache layout has no vLLM --kv-cache-dtype (fp8 maps)"))
+        c = kv_handler(kv).mapping("vllm", kv)
+        k = (Support("unsupported", c.reason) if not c.ok else
+             Support("real", f"--kv-cache-dtype {c.spec['kv_cache_dtype']}" if kv.short_name() else ""))
         return worst([w, k])
 
     def apply_weights(self, model: torch.nn.Module, weights: Any, ctx) -> Applied:
@@ -101,7 +98,7 @@ class VllmTarget(Target):
         dtype = spec["dtype"] if self.cfg.dtype == "auto" else self.cfg.dtype
         args = ServerArgs(path, dtype=dtype, max_num_seqs=self.cfg.max_num_seqs,
                           max_model_len=min(self.cfg.max_model_len, model.config.max_position_embeddings),
-                          kv_cache_dtype=_KV[kv.config.short_name()], kv_cache_gib=self.cfg.kv_cache_gib,
+                          kv_cache_dtype=kv_handler(kv.config).mapping("vllm", kv.config).spec["kv_cache_dtype"], kv_cache_gib=self.cfg.kv_cache_gib,
                           max_logprobs=-1 if not self.cfg.logprobs_topk else self.cfg.logprobs_topk,
                           threads=self.cfg.threads, enforce_eager=self.cfg.enforce_eager)
         log.info("vllm: starting the server on %s (%s, dtype %s)", path.name, spec["format"], dtype)
