@@ -1,3 +1,3 @@
 from quantlab.cli import main
 
-main()
+raise SystemExit(main())

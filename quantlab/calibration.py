@@ -19,9 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from quantlab.errors import UserError
 from quantlab import corpus
+from quantlab import resources
 
 log = logging.getLogger("quantlab")
-SPEC_DIR = Path(__file__).resolve().parent.parent / "calibration"
+SPEC_DIR = resources.data_dir("calibration")
 _DOC = re.compile(r"<doc [^>]*>\n?(.*?)</doc>", re.S)
 
 

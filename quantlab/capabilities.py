@@ -86,10 +86,10 @@ def _capability(text: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m quantlab.capabilities") -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m quantlab.capabilities")
+    ap = argparse.ArgumentParser(prog=prog, description="Which scheme runs on which target, on this machine.")
     ap.add_argument("--assume-cuda", type=_capability, metavar="MAJOR.MINOR",
                     help="add a column for a CUDA GPU of this capability, e.g. 9.0")
     args = ap.parse_args(argv)
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.assume_cuda:
         m.update(assumed_cuda(args.assume_cuda))
     print(render(m))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

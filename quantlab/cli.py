@@ -24,35 +24,51 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from quantlab.compose import register_configs
-from quantlab import tracking_server
+from quantlab import point, tracking_server
 from quantlab.config import MODEL_PATH_HINT, RunConfig, validate
 from quantlab.errors import UserError
+from quantlab.resources import data_dir
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = data_dir("conf")
 GROUPS = ("model", "scheme/weights", "scheme/kv", "target", "probe", "tracking", "sweep")
 _OVERRIDE = re.compile(r"^[+~]{0,2}(?P<key>[\w/]+)=(?P<value>.*)$")
 
 log = logging.getLogger("quantlab")
 
 
-def presets(group: str) -> list[str]:
-    """Names of the YAML presets of a config group (schemas ``_x`` excluded)."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml") if not p.stem.startswith("_"))
+def presets(group: str, extra: tuple[Path, ...] = ()) -> list[str]:
+    """Names of the YAML presets of a config group (schemas ``_x`` excluded),
+    quantlab's own and those of the ``extra`` config directories."""
+    return sorted({p.stem for d in (CONF_DIR, *extra) for p in (d / group).glob("*.yaml")
+                   if not p.stem.startswith("_")})
+
+
+def search_dirs(argv: list[str]) -> tuple[Path, ...]:
+    """The directories a ``hydra.searchpath=[file:///dir,...]`` override adds
+    to the config search path: a user's own presets beside quantlab's."""
+    dirs = []
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key == "hydra.searchpath":
+            dirs += [Path(item.strip(" '\"").removeprefix("file://")) for item in value.strip("[]").split(",")
+                     if item.strip(" '\"").startswith("file://")]
+    return tuple(dirs)
 
 
 def check_overrides(argv: list[str]) -> list[str]:
     """Validate group choices; return warnings. Raises UserError on unknown names."""
-    warnings = []
+    warnings, extra = [], search_dirs(argv)
     for arg in argv:
         m = _OVERRIDE.match(arg)
         if not m or m["key"] not in GROUPS or "(" in m["value"]:
             continue
-        valid = presets(m["key"])
+        valid = presets(m["key"], extra)
         for choice in filter(None, m["value"].split(",")):
             if choice not in valid:
                 raise UserError(f"unknown {m['key']} {choice!r}; valid: {', '.join(valid)}")
             if m["key"] == "sweep":
-                warnings += _check_sweep_file(CONF_DIR / "sweep" / f"{choice}.yaml")
+                path = next(p for d in (*extra, CONF_DIR) if (p := d / "sweep" / f"{choice}.yaml").is_file())
+                warnings += _check_sweep_file(path)
     return warnings
 
 
@@ -108,7 +124,7 @@ def preflight(argv: list[str]) -> RunConfig:
     try:
         parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
         first = [f"{o.get_key_element()}={next(o.sweep_string_iterator())}" if o.is_sweep_override() else o.input_line
-                 for o in parsed if not o.key_or_group.startswith("hydra")]
+                 for o in parsed if not o.key_or_group.startswith("hydra") or o.key_or_group == "hydra.searchpath"]
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=first)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
@@ -192,7 +208,7 @@ def _main(cfg: DictConfig) -> None:
         print(f"quantlab: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        result = run_point(run_cfg)
+        result = run_point(run_cfg, point.parent_run())
     except UserError as e:  # store unusable: nothing was run
         print(f"quantlab: {e}", file=sys.stderr)
         sys.exit(2)
@@ -207,7 +223,13 @@ def _in_multirun() -> bool:
     return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m quantlab") -> int:
+    """``python -m quantlab ARGS`` / ``quantlab run ARGS``: Hydra reads its
+    arguments from ``sys.argv``, so ``argv`` (when given) replaces them. Exit
+    status 2 with one line for a config or store error; 1 when a lone point
+    failed."""
+    if argv is not None:
+        sys.argv = [prog, *argv]
     # conf/hydra/launcher/ray.yaml is checked against the Ray plugin's schema of the same name, as intended;
     # Hydra 1.3 warns that this matching is deprecated (four times a run) but keeps doing it
     warnings.filterwarnings("ignore", message=r"\n'hydra/launcher/ray' is validated against ConfigStore schema")
@@ -218,7 +240,11 @@ def main() -> None:
         first = preflight(sys.argv[1:])
         with tracking_server.ensure(first.tracking):
             _say_if_engine_missing(first)  # after the store answers: this imports torch (seconds)
+            from quantlab.probes import runner
+
+            runner.registered()  # a plugin that cannot load: one line now, not a failed run per point
             _main()
     except UserError as e:
         print(f"quantlab: {e}", file=sys.stderr)
         sys.exit(2)
+    return 0

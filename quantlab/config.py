@@ -254,15 +254,29 @@ class ProbeConfig:
     perplexity: PerplexityProbeConfig = field(default_factory=PerplexityProbeConfig)
     cache: CacheProbeConfig = field(default_factory=CacheProbeConfig)
     load: LoadProbeConfig = field(default_factory=LoadProbeConfig)
+    # settings of probes other packages register (quantlab.probes entry points), by probe name:
+    # +probe.plugins.<name>.<key>=<value>; part of the point's hash like any other setting
+    plugins: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.adaptive:
             self.perplexity.adaptive = self.accuracy.adaptive = True
 
 
+DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
+
+
+def default_tracking_uri() -> str:
+    """The store every quantlab command uses when none is given: MLflow's own
+    ``MLFLOW_TRACKING_URI`` where set, else the local SQLite file under
+    ``mlruns/`` (conf/tracking/local.yaml reads the same variable)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
 @dataclass
 class TrackingConfig:
-    """Where runs go. ``uri`` is any MLflow tracking URI (sqlite file, server).
+    """Where runs go. ``uri`` is any MLflow tracking URI (sqlite file, server);
+    every command's default is :func:`default_tracking_uri`.
     ``serve``: where a server quantlab starts keeps its store, when ``uri`` is
     ``http://`` on this machine and nothing answers there
     (:mod:`quantlab.tracking_server`); None: never start one.
@@ -270,7 +284,7 @@ class TrackingConfig:
     for many writers; the ``postgres`` extra installs the driver); None:
     SQLite ``mlflow.db`` under ``serve``."""
 
-    uri: str = "sqlite:///mlruns/mlflow.db"
+    uri: str = DEFAULT_TRACKING_URI
     artifact_root: Optional[str] = "mlruns/artifacts"
     experiment: str = "quantlab"
     serve: Optional[str] = None

@@ -19,6 +19,16 @@ from typing import Any
 
 # --- bookkeeping tags (tracking, sweep, report, export) ---
 PARENT_TAG = "mlflow.parentRunId"
+# a sweep's parent run id, set by the sweep callback for the points it launches (local workers
+# inherit it; Ray tasks get it in their runtime_env); the CLI hands it to run_point
+PARENT_ENV = "QUANTLAB_PARENT_RUN_ID"
+
+
+def parent_run() -> str | None:
+    """The sweep run this process's points belong to (None outside a sweep)."""
+    import os
+
+    return os.environ.get(PARENT_ENV) or None
 SWEEP_TAG = "quantlab.sweep"  # the sweep's name, on the parent and on every child
 ROLE_TAG, ROLE_SWEEP = "quantlab.role", "sweep"  # a sweep's parent run carries ROLE_TAG = ROLE_SWEEP
 OUTCOME_TAG = "quantlab.outcome"  # finished | skipped | failed | reused | killed

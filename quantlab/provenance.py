@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from quantlab import hardware
+from quantlab import hardware, point, tracking
+from quantlab.export import formats
 
 PACKAGE = Path(__file__).resolve().parent
 WIKITEXT = "wikitext-2-raw/wiki.test.raw"
@@ -98,3 +99,39 @@ def data_fingerprint(cfg) -> str:
         else:
             h.update(f"{rel}:missing".encode())
     return h.hexdigest()[:16]
+
+
+def run_params(cfg, ident, as_dict: dict) -> dict[str, str]:
+    """The config as MLflow params, plus ``scheme`` (the point's scheme name, a
+    param so that the UI's charts can plot against it); the settings of the
+    in-memory ``tiny`` model only where that is the model."""
+    params = tracking.flatten(as_dict)
+    if cfg.model.source != "tiny":
+        params = {k: v for k, v in params.items() if not k.startswith("model.tiny.")}
+    params[point.SCHEME_TAG] = ident.scheme
+    return params
+
+
+def run_tags(cfg, ident) -> dict[str, str]:
+    """The tags every run of a point starts with: its identity, host and versions."""
+    gpu, fingerprint = hardware.cuda(0), host()
+    return {
+        point.SWEEP_TAG: cfg.sweep_name,
+        point.SCHEME_TAG: ident.scheme,
+        "scheme.weights": ident.weights,
+        "scheme.weights.type": type(cfg.scheme.weights).__name__,
+        "scheme.kv": ident.kv or "none",
+        "target": cfg.target.name,
+        "target.variant": ident.target,
+        "model": cfg.model.name,
+        point.HASH_TAG: ident.hash,
+        point.HOST_CPU_TAG: hardware.cpu_name(),
+        "host.gpu": gpu.name if gpu else "none",
+        point.HOST_ID_TAG: host_id(fingerprint),
+        point.HOST_FINGERPRINT_TAG: fingerprint,
+        "quantlab.code": ident.code,
+        "data.sha256": ident.data,
+        "git_commit": tracking.git_commit(),
+        **formats.exportable_tags(cfg.scheme.weights),
+        **tracking.versions(),
+    }

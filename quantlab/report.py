@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 from quantlab import decision, plots, point, serving_report, tracking, uncertainty
+from quantlab.config import default_tracking_uri
 from quantlab.errors import UserError
 from quantlab.measurement import TIME_PREFIX
 from quantlab.pareto import Point, Recommendation, fastest_within, frontier
@@ -403,6 +404,19 @@ def post_hoc(runs, declaration, metric: str, budgets, alpha: float) -> dict[floa
     return out
 
 
+def sweep_data(client, experiment_id: str, parent_id: str):
+    """``(runs, reused, parent_tags, baseline_run, items)`` of one sweep:
+    its child runs (the runs it reused last, and also in ``reused``), the
+    baseline (the one the sweep named, else :func:`baseline_run`) and each
+    finished run's per-item scores (read from the run that measured it)."""
+    runs, reused = tracking.sweep_runs(client, experiment_id, parent_id)
+    runs += reused
+    tags = client.get_run(parent_id).data.tags
+    base = next((r for r in runs if r.info.run_name == tags.get(point.BASELINE_TAG)), None) or baseline_run(runs)
+    items = {r.info.run_id: tracking.load_items(client, tracking.origin(r)) for r in runs if tracking.done(r)}
+    return runs, reused, tags, base, items
+
+
 def build(client, experiment_id: str, parent_id: str, metric: str | None = None,
           budgets=None, out_dir: Path | None = None, log_to_run: bool = True,
           by: str = "auto", alpha: float | None = None) -> str:
@@ -413,11 +427,7 @@ def build(client, experiment_id: str, parent_id: str, metric: str | None = None,
     ``metric``, ``budgets``, ``alpha``: None takes what the sweep declared at
     launch (:func:`declared`; else auto, 1 % and 5 %, 0.05); a choice that
     differs is said "post hoc" beside its picks and in a parent tag per budget."""
-    runs, reused = tracking.sweep_runs(client, experiment_id, parent_id)
-    runs += reused
-    tags = client.get_run(parent_id).data.tags
-    base = next((r for r in runs if r.info.run_name == tags.get(point.BASELINE_TAG)), None) or baseline_run(runs)
-    items = {r.info.run_id: tracking.load_items(client, tracking.origin(r)) for r in runs if tracking.done(r)}
+    runs, reused, tags, base, items = sweep_data(client, experiment_id, parent_id)
     said = declared(tags)
     metric = decision_metric(runs, metric or (said[0] if said else "auto"))
     budgets = tuple(budgets or (said[1] if said else DEFAULT_BUDGETS))
@@ -482,7 +492,9 @@ def _budget_list(text: str) -> tuple[float, ...]:
     return out
 
 
-def _find_parent(client, experiment_id: str, sweep: str) -> str:
+def find_parent(client, experiment_id: str, sweep: str) -> str:
+    """The parent run id of ``sweep`` (latest, a sweep name, or a parent run
+    id); UserError listing the sweeps there are when none matches."""
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'",
                               order_by=["attributes.start_time DESC"], max_results=1000)
     try:
@@ -491,13 +503,14 @@ def _find_parent(client, experiment_id: str, sweep: str) -> str:
         raise UserError(str(e)) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m quantlab.report") -> int:
     """``python -m quantlab.report [--sweep latest|NAME|RUN_ID] ...``"""
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m quantlab.report", description=main.__doc__)
-    ap.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
+    ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
+    ap.add_argument("--tracking-uri", default=default_tracking_uri(),
+                    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db)")
     ap.add_argument("--experiment", default="quantlab")
     ap.add_argument("--sweep", default="latest", help="latest, a sweep name, or a parent run id")
     ap.add_argument("--metric", default=None, help="decision metric (auto, fid/kl_mean, recovery/acc/...); "
@@ -517,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client, exp = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
                                                       artifact_root=None))
-        parent = _find_parent(client, exp, args.sweep)
+        parent = find_parent(client, exp, args.sweep)
         # build() checks the objective before it writes anything
         print(build(client, exp, parent, args.metric, args.budgets, Path(args.out) if args.out else None,
                     not args.no_log, args.objective, args.alpha))

@@ -21,7 +21,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from quantlab import point, report, tracking
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
-from quantlab.pipeline import PARENT_ENV
 
 log = logging.getLogger("quantlab")
 RAY_LAUNCHER = "hydra_plugins.quantlab_ray_launcher.RayLauncher"
@@ -46,19 +45,19 @@ class SweepCallback(Callback):
         tags = {point.SWEEP_TAG: sweep, point.ROLE_TAG: point.ROLE_SWEEP,
                 "git_commit": tracking.git_commit(), **tracking.versions(), **_declared(config)}
         parent = tracking.start_run(client, exp_id, name, tags, params=params)
-        os.environ[PARENT_ENV] = parent
+        os.environ[point.PARENT_ENV] = parent
         if config.hydra.launcher.get("_target_", "") == RAY_LAUNCHER:  # workers on other nodes inherit nothing
             with open_dict(config):
                 init = config.hydra.launcher.ray.init
                 given = init.get("runtime_env")
                 env = OmegaConf.to_container(given, resolve=True) if given is not None else {}
-                env.setdefault("env_vars", {})[PARENT_ENV] = parent
+                env.setdefault("env_vars", {})[point.PARENT_ENV] = parent
                 init.runtime_env = env
         _log_capabilities(client, parent)
         log.info("sweep %s: parent run %s in %s", sweep, parent, config.tracking.uri)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        parent = os.environ.pop(PARENT_ENV, None)
+        parent = os.environ.pop(point.PARENT_ENV, None)
         if parent is None:
             return
         client, exp_id = tracking.connect(_tracking_cfg(config), tracking.SERVER_WAIT_S)

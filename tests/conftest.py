@@ -43,6 +43,8 @@ def _cache(tmp_path_factory, monkeypatch):
     """One quantlab cache per test session (reference logits, converted models)."""
     cache = os.environ.get("QUANTLAB_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "qlcache")
     monkeypatch.setenv("QUANTLAB_CACHE", cache)
+    # a user's own store must not receive the suite's runs (every command honours it)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
 def run_cli(args: list[str], timeout: int = 600, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

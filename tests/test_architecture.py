@@ -20,7 +20,7 @@ PKG = Path(__file__).resolve().parent.parent / "quantlab"
 # import its own layer and the ones below; the most specific prefix decides.
 LAYERS = [
     ("base", ["errors", "digest", "point", "divergence", "decode", "stats", "uncertainty", "sequential", "pareto", "measurement",
-              "hardware", "contention", "decision", "config", "corpus", "ports"]),
+              "hardware", "contention", "decision", "config", "corpus", "ports", "resources", "plugins"]),
     ("data", ["models", "calibration", "tracking", "tracking_server", "plots"]),
     ("schemes", ["schemes"]),
     ("serving", ["serving"]),
@@ -29,7 +29,7 @@ LAYERS = [
     ("writers", ["export.formats", "export.checkpoint", "export.gguf", "export.roundtrip", "export"]),
     ("targets", ["targets"]),
     ("app", ["compose", "provenance", "pipeline", "report", "serving_report", "sweep", "cli", "capabilities",
-             "sensitivity", "__main__", "export.run", "export.cli", "export.__main__"]),
+             "sensitivity", "__main__", "export.run", "export.cli", "export.__main__", "console", "api"]),
 ]
 
 
@@ -68,7 +68,9 @@ def layer(module: str) -> int:
         for p in prefixes:
             if (short == p or short.startswith(p + ".")) and len(p) > best_len:
                 best, best_len = i, len(p)
-    if best is None and short in ("", "schemes", "engines", "probes", "serving", "targets"):
+    if best is None and short == "":
+        return len(LAYERS) - 1  # the package's namespace: the Python API's facade (quantlab.api), on top
+    if best is None and short in ("schemes", "engines", "probes", "serving", "targets"):
         return 0  # package markers (docstrings only)
     assert best is not None, f"{module} is in no layer of tests/test_architecture.py: add it"
     return best
@@ -184,3 +186,19 @@ def test_config_tables_name_what_the_handlers_register():
 
     assert registry.registered() == (configs.WEIGHT_SCHEMAS, configs.KV_SCHEMAS)
     assert set(CONFIGS) <= set(targets.registered())
+
+
+def test_the_architecture_diagram_names_every_module():
+    """docs/architecture.md's layer diagram lists every module of quantlab/."""
+    text = (PKG.parent / "docs" / "architecture.md").read_text()
+    block = re.search(r"## Layers.*?```\n(.*?)```", text, re.S)[1]
+    words = set(re.findall(r"[\w.]+", block))
+    packages = ("schemes", "engines", "probes", "serving", "serving.vllm_site", "targets", "export")
+    missing = []
+    for m in imports():
+        parts = m.removeprefix("quantlab").lstrip(".").split(".")
+        if parts == [""] or ".".join(parts) in packages or parts[-1] == "__main__":
+            continue
+        if not any(".".join(parts[i:]) in words for i in range(len(parts))):  # its name, or a dotted tail of it
+            missing.append(m)
+    assert missing == []

@@ -13,7 +13,7 @@ from quantlab.targets.llamacpp import LlamaCppTargetConfig
 from quantlab.targets.vllm import VllmTargetConfig
 from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.kv import NoKV
-from tests.conftest import compose_cfg
+from tests.conftest import REPO, compose_cfg
 
 EXTRA = {"model": {"hf": ["model.path=some/model"], "gguf": ["model.path=/x.gguf"]}}
 CASES = [(g, p) for g in GROUPS if g != "sweep" for p in presets(g)]
@@ -240,3 +240,21 @@ def test_a_postgres_store_without_its_driver_names_the_extra(monkeypatch):
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     installs = {d.split(">")[0].split("[")[0] for d in extras["postgres"]}
     assert {"psycopg", "psycopg2-binary"} <= installs and any(d.startswith("psycopg[binary]") for d in extras["dev"])
+
+
+def test_a_users_own_presets_join_through_hydras_search_path(tmp_path):
+    """A directory on ``hydra.searchpath`` adds presets beside the packaged
+    ones: its names are accepted (and listed when one is misspelt)."""
+    from tests.conftest import run_cli
+
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mine.yaml").write_text(
+        (REPO / "conf" / "model" / "tiny.yaml").read_text().replace("name: tiny", "name: mine"))
+    common = [f"hydra.searchpath=[file://{tmp_path}/conf]", "probe=smoke", "probe.latency.enabled=false",
+              f"tracking.uri=sqlite:///{tmp_path}/m.db", f"tracking.artifact_root={tmp_path}/a"]
+    out = run_cli(["model=mine", *common])
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = out.stdout + out.stderr
+    assert "bf16@cpu" in said and "loading model mine" in said
+    bad = run_cli(["model=mien", *common])
+    assert bad.returncode == 2 and "unknown model 'mien'; valid: gguf, hf, mine, smollm2-135m, tiny" in bad.stderr

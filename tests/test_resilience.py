@@ -108,7 +108,9 @@ def test_unexpected_exception_logs_traceback(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(pipeline.latency, "measure", boom)
+    from quantlab.probes import latency
+
+    monkeypatch.setattr(latency, "measure", boom)
     result = pipeline.run_point(cfg)
     assert result.outcome == "failed" and result.reason == "RuntimeError: injected failure"
     client = MlflowClient(tracking_uri=uri)

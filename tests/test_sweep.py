@@ -187,7 +187,8 @@ def test_headline_sweep_without_data_dir_exits_0_with_every_family(tmp_path):
 
 
 def test_params_of_other_model_sources_are_not_logged():
-    from quantlab.pipeline import identify, run_params
+    from quantlab.pipeline import identify
+    from quantlab.provenance import run_params
     from tests.conftest import compose_cfg
 
     cfg = compose_cfg(["model=smollm2-135m", "scheme/weights=gptq-g64"])

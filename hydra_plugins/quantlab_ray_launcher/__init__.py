@@ -53,6 +53,7 @@ if importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is not None:
 
             from quantlab.cli import to_point
             from quantlab.pipeline import record_lost
+            from quantlab.point import parent_run
 
             setup_globals()
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
@@ -77,7 +78,7 @@ if importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is not None:
                     point_cfg = job_cfg.copy()
                     with open_dict(point_cfg):
                         del point_cfg["hydra"]  # the task function's view of the job's config
-                    record_lost(to_point(point_cfg), lost_reason(e))
+                    record_lost(to_point(point_cfg), lost_reason(e), parent_run())
                     returns.append(JobReturn(overrides=list(overrides), cfg=job_cfg, status=JobStatus.COMPLETED,
                                              _return_value=None))
             return returns

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
+from quantlab.config import default_tracking_uri
 from quantlab.errors import UserError
 from quantlab.export.formats import FORMATS
 from quantlab.point import (REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SCHEME_TAG, exportable_tag, find_sweep,
@@ -134,8 +135,8 @@ def _recommended(store: Store, sweep: str, budget: float) -> str:
     return chosen
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m quantlab.export", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m quantlab.export") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", help="MLflow run id of the point")
     ap.add_argument("--sweep", help="sweep name, latest, or parent run id: export its recommended point")
     ap.add_argument("--budget", type=float, default=0.01, help="with --sweep: which recommendation")
@@ -146,32 +147,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--register", help="register the export in the MLflow Model Registry under this name "
                                        "(copies the checkpoint into the run's artifacts, export/)")
-    ap.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
+    ap.add_argument("--tracking-uri", default=default_tracking_uri(),
+                    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db)")
     ap.add_argument("--experiment", default="quantlab")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
     try:
         if not args.out:
             raise UserError("--out DIR is required")
-        out = Path(args.out)
-        if out.exists() and not args.force:
-            raise UserError(f"{out} exists; pass --force to replace it")
-        run_id = resolve(open_store(args.tracking_uri, args.experiment), args.run, args.sweep, args.budget,
-                         args.format)
-        from quantlab import tracking
-        from quantlab.config import TrackingConfig
-        from quantlab.export import run
-
-        client, _ = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
-                                                    artifact_root=None))
-        if args.format == "gguf":
-            run.export_gguf(client, run_id, out, args.force)
-        else:
-            run.export_run(client, run_id, out, args.force, args.register)
+        export(Path(args.out), run=args.run, sweep=args.sweep, budget=args.budget, fmt=args.format,
+               force=args.force, register=args.register, tracking_uri=args.tracking_uri, experiment=args.experiment)
     except UserError as e:
         print(f"quantlab.export: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def export(out: Path, *, run: str | None = None, sweep: str | None = None, budget: float = 0.01,
+           fmt: str = "checkpoint", force: bool = False, register: str | None = None,
+           tracking_uri: str | None = None, experiment: str = "quantlab") -> Path:
+    """Write run ``run`` (or sweep ``sweep``'s pick within ``budget``) to
+    ``out`` in format ``fmt`` (:data:`FORMATS`), rebuilt from the run's
+    config and checked by a round trip; returns ``out``. Raises UserError,
+    before any model loads, for an existing ``out`` (without ``force``), an
+    unknown run or sweep, or a scheme without that format."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
+    out = Path(out)
+    if out.exists() and not force:
+        raise UserError(f"{out} exists; pass --force to replace it")
+    uri = tracking_uri or default_tracking_uri()
+    run_id = resolve(open_store(uri, experiment), run, sweep, budget, fmt)
+    from quantlab import tracking
+    from quantlab.config import TrackingConfig
+    from quantlab.export import run as work
+
+    client, _ = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
+    if fmt == "gguf":
+        work.export_gguf(client, run_id, out, force)
+    else:
+        work.export_run(client, run_id, out, force, register)
+    return out
 
 
 if __name__ == "__main__":

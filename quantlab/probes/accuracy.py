@@ -17,11 +17,12 @@ from pathlib import Path
 from quantlab.config import AccuracyProbeConfig
 from quantlab.digest import computed_once, write_atomic
 from quantlab.errors import UserError
+from quantlab.resources import data_dir
 from quantlab.uncertainty import mean_stderr
 
 log = logging.getLogger("quantlab")
 
-TEMPLATES = Path(__file__).resolve().parent.parent.parent / "evaluation"
+TEMPLATES = data_dir("evaluation")
 # task -> (files under data_dir it needs, converter writing <prepared>/<name>.jsonl)
 LOCAL_FILES = {
     "lambada_openai_local": ["lambada/lambada_test.jsonl"],

@@ -1,0 +1,144 @@
+"""quantlab from Python: run a sweep, read its points as a table, decide, export.
+
+    import quantlab
+    quantlab.run("+sweep=smoke")                      # = quantlab run +sweep=smoke
+    df = quantlab.results("smoke")                    # one row per point
+    row = quantlab.fastest_within(df, budget=0.05)    # Holm, as the report decides
+    quantlab.export(row, "exports/best")              # the artifact that was measured
+
+Every function reads the same store as the command line
+(:func:`quantlab.config.default_tracking_uri`: ``MLFLOW_TRACKING_URI``, else
+``sqlite:///mlruns/mlflow.db``) unless ``tracking_uri`` is given. Errors a user
+can fix raise :class:`quantlab.errors.UserError` with one line.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from quantlab.config import TrackingConfig, default_tracking_uri
+from quantlab.errors import UserError
+from quantlab.uncertainty import ALPHA
+
+if TYPE_CHECKING:
+    import pandas
+
+# the columns every results() frame starts with; then one column per MLflow
+# metric (standard errors are the metrics ending in _stderr) and per tag (tag.<key>)
+FIRST = ("point", "run_id", "measured_by", "outcome", "baseline", "emulated", "contended",
+         "decision_metric", "loss", "loss_upper", "bound_method", "bound")
+
+
+def run(*overrides: str, tracking_uri: str | None = None, check: bool = True,
+        cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``quantlab run OVERRIDES`` in a child process (Hydra owns its
+    process: logging, working directory, launchers) and wait for it.
+    ``tracking_uri`` is passed as ``MLFLOW_TRACKING_URI``. With ``check``, a
+    non-zero exit raises UserError carrying the last line it printed."""
+    env = dict(os.environ)
+    if tracking_uri:
+        env["MLFLOW_TRACKING_URI"] = tracking_uri
+    done = subprocess.run([sys.executable, "-m", "quantlab", *overrides], env=env, cwd=cwd,
+                          capture_output=True, text=True)
+    if check and done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(nothing printed)"])[-1]
+        raise UserError(f"quantlab run {' '.join(overrides)} exited {done.returncode}: {last}")
+    return done
+
+
+def results(sweep: str = "latest", *, tracking_uri: str | None = None, experiment: str = "quantlab",
+            metric: str | None = None) -> pandas.DataFrame:
+    """One row per point of ``sweep`` (latest, a sweep name, or its parent run
+    id), with the columns :data:`FIRST`, then every logged metric and tag.
+
+    ``loss``/``loss_upper``: the point's loss on the decision metric against
+    the sweep's baseline and its 95 % one-sided upper bound (NaN: estimate
+    only, never a pick), as the report computes them; ``bound`` holds the
+    bound itself (:class:`quantlab.uncertainty.Bound`, None without one) for
+    :func:`fastest_within`. ``metric``: None takes the one the sweep declared
+    (else ``auto``). ``frame.attrs`` records the sweep, its parent run id,
+    the tracking URI, and the declared metric, budgets and alpha."""
+    import pandas
+
+    from quantlab import decision, point, report, tracking
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    uri = tracking_uri or default_tracking_uri()
+    client, exp = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
+    parent = report.find_parent(client, exp, sweep)
+    runs, reused, tags, base, items = report.sweep_data(client, exp, parent)
+    said = report.declared(tags)
+    metric = report.decision_metric(runs, metric or (said[0] if said else "auto"))
+    b_metrics = base.data.metrics if base is not None else {}
+    b_items = items.get(base.info.run_id, {}) if base is not None else {}
+    rows = []
+    for r in runs:
+        is_base = base is not None and r.info.run_id == base.info.run_id
+        lo = decision.loss(metric, r.data.metrics, items.get(r.info.run_id, {}), b_metrics, b_items, is_base) \
+            if tracking.done(r) else None
+        bounded = lo is not None and lo.bounded
+        rows.append({
+            "point": r.info.run_name, "run_id": r.info.run_id, "measured_by": tracking.origin(r),
+            "outcome": "reused" if r in reused else r.data.tags.get(point.OUTCOME_TAG, r.info.status.lower()),
+            "baseline": is_base, "emulated": r.data.tags.get(point.EMULATED_TAG) == "true",
+            "contended": point.CONTENDED_TAG in r.data.tags, "decision_metric": metric,
+            "loss": lo.value if lo is not None else math.nan, "loss_upper": lo.upper if bounded else math.nan,
+            "bound_method": lo.bound.method if lo is not None else "", "bound": lo.bound if bounded else None,
+            **dict(r.data.metrics),
+            **{f"tag.{k}": v for k, v in r.data.tags.items() if not k.startswith("mlflow.")},
+        })
+    frame = pandas.DataFrame(rows, columns=None if rows else list(FIRST))
+    frame.attrs.update(sweep=tags.get(point.SWEEP_TAG, sweep), parent_run_id=parent, tracking_uri=uri,
+                       experiment=experiment, metric=metric,
+                       budgets=tuple(said[1]) if said else report.DEFAULT_BUDGETS,
+                       alpha=said[2] if said else ALPHA)
+    return frame
+
+
+def fastest_within(frame: pandas.DataFrame, budget: float, *, alpha: float | None = None,
+                   cost: str = "lat/tpot_ms_p50", include_emulated: bool = False) -> pandas.Series | None:
+    """The row of the lowest-``cost`` point shown to lose less than
+    ``budget`` (Holm at family-wise ``alpha`` over the rows given that have
+    a loss and a cost: filter the frame first to decide among fewer), as
+    :func:`quantlab.pareto.fastest_within`; None when none is shown within.
+    ``alpha`` None: the sweep's declared one (``frame.attrs``), else 0.05."""
+    from quantlab.pareto import Point, fastest_within as decide
+
+    if cost not in frame.columns:
+        raise UserError(f"no column {cost!r} in this frame (a cost such as lat/tpot_ms_p50, size/weight_mb)")
+    alpha = alpha if alpha is not None else frame.attrs.get("alpha", ALPHA)
+    pts = {}
+    for i, row in frame.iterrows():
+        if math.isnan(row["loss"]) or row[cost] is None or math.isnan(row[cost]):
+            continue
+        bound = row["bound"]
+        pts[i] = Point(row["point"], float(row[cost]), float(row["loss"]), bool(row["emulated"]),
+                       bound.upper if bound is not None else None, bound.p_value if bound is not None else None,
+                       row["bound_method"], bool(row["contended"]))
+    rec = decide(list(pts.values()), budget, include_emulated, alpha)
+    if rec.point is None:
+        return None
+    row = frame.loc[next(i for i, p in pts.items() if p is rec.point)]
+    row.attrs = dict(frame.attrs)  # where it came from, for export()
+    return row
+
+
+def export(row: pandas.Series | str, out: str | Path, *, fmt: str = "checkpoint", force: bool = False,
+           register: str | None = None, tracking_uri: str | None = None, experiment: str | None = None) -> Path:
+    """Write the point of ``row`` (a :func:`results` row, or a run id) to
+    ``out`` as ``quantlab export --run`` does: rebuilt from the run that
+    measured it and checked by a round trip. The row's store is used unless
+    ``tracking_uri`` is given. Returns ``out``."""
+    from quantlab.export.cli import export as write
+
+    if isinstance(row, str):
+        run_id, attrs = row, {}
+    else:
+        run_id, attrs = row["measured_by"], getattr(row, "attrs", {}) or {}
+    return write(Path(out), run=run_id, fmt=fmt, force=force, register=register,
+                 tracking_uri=tracking_uri or attrs.get("tracking_uri"),
+                 experiment=experiment or attrs.get("experiment", "quantlab"))

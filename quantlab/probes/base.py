@@ -1,0 +1,105 @@
+"""The probe contract: what a probe is given and what it returns.
+
+A probe is a class registered under the ``quantlab.probes`` entry-point group
+(quantlab's own are declared in pyproject.toml like anyone else's):
+
+    class MyProbe:
+        name = "myprobe"        # its stage (time/myprobe_s) and skip tag (probe.myprobe.skipped)
+        order = 100             # where it runs among the others (quantlab's: 10 to 60)
+        contention_metric = None  # a metric name: its figures are timings; the runner watches other work
+
+        def enabled(self, cfg: RunConfig) -> bool: ...
+        def run(self, ctx: ProbeContext) -> ProbeResult: ...
+
+``run`` reads the point through ``ctx`` (config, engine, tokenizer, the
+in-memory model, what earlier probes measured) and returns what it measured;
+it never writes to the tracking store. A UserError (its data is missing)
+skips it with a tag; any other exception fails the point, keeping what earlier
+probes measured (:mod:`quantlab.probes.runner`). Settings of a probe quantlab
+does not know live under ``probe.plugins.<name>`` (part of the point's hash).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from quantlab.config import RunConfig
+from quantlab.measurement import Measurement
+
+log = logging.getLogger("quantlab")
+
+
+class ProbeResult(Measurement):
+    """What one probe measured: metrics, tags, items (per-unit values behind
+    a metric, for paired comparisons), artifacts; ``timed(stage)`` for a
+    sub-stage of its own."""
+
+
+class Probe(Protocol):
+    name: str
+    order: int
+    contention_metric: str | None
+
+    def enabled(self, cfg: RunConfig) -> bool: ...
+
+    def run(self, ctx: ProbeContext) -> ProbeResult: ...
+
+
+@dataclass(frozen=True)
+class ProbeContext:
+    """One point, as its probes see it. ``metrics``/``tags``: read-only views
+    of what was measured before this probe (model bytes, earlier probes)."""
+
+    cfg: RunConfig
+    name: str  # the point's run name, for log lines
+    engine: Any  # quantlab.engines.base.Engine
+    tokenizer: Any
+    model: Any  # the in-memory point (torch.nn.Module), quantized
+    serves_export: bool  # the engine runs an exported artifact, not ``model`` itself
+    metrics: Mapping[str, float]
+    tags: Mapping[str, str]
+
+    @classmethod
+    def of(cls, measured: Measurement, **fields) -> ProbeContext:
+        return cls(metrics=types.MappingProxyType(measured.metrics), tags=types.MappingProxyType(measured.tags),
+                   **fields)
+
+    def log(self, message: str, *args) -> None:
+        """One progress line, prefixed with the point's name."""
+        log.info("[%s] " + message, self.name, *args)
+
+    def settings(self, probe: str) -> dict[str, Any]:
+        """``probe.plugins.<probe>`` of the config (empty when not given)."""
+        return dict(self.cfg.probe.plugins.get(probe) or {})
+
+    def reference_key(self) -> dict:
+        """What identifies the reference model in its caches: the model and the reference precision."""
+        return {"model": dataclasses.asdict(self.cfg.model), "dtype": self.cfg.probe.fidelity.reference_dtype}
+
+    def reference_engine(self):
+        """The unquantized model at the fidelity probe's reference precision, as an engine."""
+        import torch
+
+        from quantlab import models
+        from quantlab.engines.pytorch import TorchEngine
+
+        dtype = getattr(torch, self.cfg.probe.fidelity.reference_dtype)
+        return TorchEngine(models.load(self.cfg.model, self.cfg.cache_dir, dtype)[0])
+
+    def baseline_candidate(self) -> bool:
+        """A point the sweep may take as its baseline (float weights, or the
+        ``recovery_baseline`` scheme): adaptive probes score its cap, since
+        every other point is paired against its items."""
+        return self.metrics.get("size/bits_per_weight", 0.0) >= 15.99 or \
+            self.cfg.recovery_baseline == self.cfg.scheme.weights.short_name()
+
+    def weight_bytes_read(self) -> float:
+        """Weight bytes one decode step reads: the runtime's own where it
+        stores them differently (llama.cpp's blocks), less the rows of an
+        untied embedding table a step does not read."""
+        return self.metrics.get("size/runtime_weight_bytes", self.metrics["size/weight_bytes"]) \
+            - self.metrics.get("size/embedding_unread_bytes", 0.0)

@@ -1,0 +1,232 @@
+"""quantlab's own probes, registered under ``quantlab.probes`` in
+pyproject.toml: fidelity, perplexity, accuracy (lm-eval), cache, latency,
+load. Each turns its config section into calls of its numerics module and
+returns what it measured (:mod:`quantlab.probes.base`)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from quantlab import corpus, plots, point
+from quantlab.config import RunConfig
+from quantlab.engines.pytorch import TorchEngine
+from quantlab.probes import (accuracy, accuracy_adaptive, energy, fidelity, kv_capacity, latency, load,
+                             perplexity, roofline, stages)
+from quantlab.probes import cache as cache_probe
+from quantlab.probes.base import ProbeContext, ProbeResult
+
+
+class FidelityProbe:
+    """KL and top-1 against the unquantized reference on random windows of
+    the fidelity corpus: over whole distributions, or where the engine
+    returns only its top k, the top-k lower bound (named apart). Behind an
+    exported artifact, the same statistics against quantlab's in-memory point
+    are logged as ``parity/*``."""
+
+    name, order, contention_metric = "fidelity", 10, None
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return cfg.probe.fidelity.enabled
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        cfg, fid, out = ctx.cfg, ctx.cfg.probe.fidelity, ProbeResult()
+        out.tags["probe.fidelity.corpus"] = corpus.resolve(fid.corpus, cfg.data_dir)
+        ids, _ = corpus.random_windows(ctx.tokenizer, corpus.text(fid.corpus, cfg.data_dir),
+                                       fid.tokens // fid.windows, fid.windows, cfg.seed)
+        with out.timed("reference"):
+            ref = fidelity.reference(ctx.reference_key(), ids, cfg.cache_dir, ctx.reference_engine)
+        ctx.log("fidelity probe (%d windows of %d tokens)", *ids.shape)
+        engine, w = ctx.engine, len(ids)
+        if why := engine.cannot("logits"):
+            tops = [engine.topk_logprobs(row[None], fid.topk) for row in ids]
+            vals, top = torch.cat([v for v, _ in tops]), torch.cat([t for _, t in tops])
+            actual = torch.stack([engine.token_logprobs(row[None])[0][0] for row in ids])
+            score = lambda r: fidelity.compare_topk(r, vals, top, actual, ids[:, 1:], w)  # noqa: E731
+            out.tags["probe.fidelity.kl"] = f"top-{fid.topk} lower bound ({why})"
+        else:
+            logp = fidelity.logprobs(engine, ids)
+            score = lambda r: fidelity.compare(r, logp, ids[:, 1:], w)  # noqa: E731
+        out.metrics.update(score(ref))
+        if ctx.serves_export and fid.parity:
+            ctx.log("parity: the served artifact against quantlab's in-memory point")
+            local = TorchEngine(ctx.model, next(ctx.model.parameters()).device)
+            out.metrics.update(fidelity.as_parity(score(fidelity.logprobs(local, ids))))
+            out.metrics.update(fidelity.greedy_parity(engine, local, ids[:1, : min(32, ids.shape[1])],
+                                                      fid.parity_tokens))
+        return out
+
+
+class PerplexityProbe:
+    """Token perplexity on random WikiText-2 windows; adaptive: as many
+    windows as the point's budgets need, against the reference model's NLLs
+    on the same windows (cached), with why it stopped."""
+
+    name, order, contention_metric = "perplexity", 20, None
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return cfg.probe.perplexity.enabled
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        cfg, ppl, out = ctx.cfg, ctx.cfg.probe.perplexity, ProbeResult()
+        wins, metric = perplexity.sample(ctx.tokenizer, perplexity.wikitext2_text(cfg.data_dir), ppl.window,
+                                         ppl.max_windows, cfg.seed)  # the cap's name, however many scored
+        ctx.log("perplexity probe (%d windows of %d tokens, %s%s)", len(wins), ppl.window,
+                "the whole split" if ppl.max_windows is None else "drawn at random", ", adaptive" if ppl.adaptive else "")
+        nll = self._adaptive(ctx, wins, metric, out) if ppl.adaptive else perplexity.token_nll(ctx.engine, wins)
+        out.metrics.update(perplexity.summary(nll, metric))
+        out.items[metric] = [round(float(x), 5) for x in nll.ravel()]
+        return out
+
+    @staticmethod
+    def _adaptive(ctx: ProbeContext, wins: torch.Tensor, metric: str, out: ProbeResult):
+        """Where the point could stop early (not a baseline candidate), logs
+        ``<metric>_adaptive_cap`` / ``_adaptive_chunk``: the report's
+        sequential bound reads them."""
+        cfg, ppl = ctx.cfg, ctx.cfg.probe.perplexity
+        ref = fidelity.cached("reference_nll", ctx.reference_key(), wins, cfg.cache_dir,
+                              lambda: torch.from_numpy(perplexity.token_nll(ctx.reference_engine(), wins)))
+        baseline = ctx.baseline_candidate()
+        st = perplexity.adaptive_nll(ctx.engine, wins, ref.numpy(), ppl.adaptive_chunk, ppl.adaptive_budgets,
+                                     ppl.adaptive_alpha, baseline, lambda line: ctx.log("perplexity: %s", line))
+        ctx.log("perplexity: %s", st.reason)
+        if not baseline:  # a baseline candidate's design is fixed: the report bounds it as one
+            out.metrics.update({f"{metric}_adaptive_cap": float(len(wins)),
+                                f"{metric}_adaptive_chunk": float(ppl.adaptive_chunk)})
+        out.tags[point.PPL_STOP_TAG] = st.reason
+        return st.nll
+
+
+class AccuracyProbe:
+    """lm-eval tasks on the local benchmark files (per-document scores as
+    items); adaptive: documents scored until each budget is decided."""
+
+    name, order, contention_metric = "accuracy", 30, None
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return cfg.probe.accuracy.enabled
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        cfg, acc, out = ctx.cfg, ctx.cfg.probe.accuracy, ProbeResult()
+        ctx.log("lm-eval %s (limit %s%s)", ",".join(acc.tasks), acc.limit, ", adaptive" if acc.adaptive else "")
+        if acc.adaptive:
+            metrics, results, items, stops = accuracy_adaptive.run(
+                ctx.engine, ctx.tokenizer, acc, cfg.data_dir, cfg.cache_dir, cfg.seed, ctx.reference_key(),
+                ctx.reference_engine, ctx.baseline_candidate(), lambda line: ctx.log("lm-eval: %s", line))
+            out.tags[point.ACC_STOP_TAG] = "; ".join(f"{t}: {why}" for t, why in stops.items())
+            ctx.log("lm-eval: %s", out.tags[point.ACC_STOP_TAG])
+        else:
+            metrics, results, items = accuracy.evaluate(ctx.engine, ctx.tokenizer, acc, cfg.data_dir, cfg.cache_dir,
+                                                        cfg.seed)
+        out.metrics.update(metrics)
+        out.items.update(items)
+        out.artifacts["lm_eval_results.json"] = json.dumps(results, indent=2, default=str)
+        return out
+
+
+class CacheProbe:
+    """Teacher-forced decoding through the point's KV cache, where the engine has one."""
+
+    name, order, contention_metric = "cache", 40, None
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return cfg.probe.cache.enabled
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        cfg, c, out = ctx.cfg, ctx.cfg.probe.cache, ProbeResult()
+        if why := ctx.engine.cannot("cache"):
+            out.tags["probe.cache.skipped"] = why
+            return out
+        n = c.prefix_tokens + c.continuation_tokens
+        out.tags["probe.cache.corpus"] = corpus.resolve(c.corpus, cfg.data_dir)
+        wins = corpus.token_ids(ctx.tokenizer, c.corpus, n * c.windows, cfg.data_dir).reshape(c.windows, n)
+        ctx.log("cache probe (%d x %d tokens, chunk %d)", c.windows, n, c.chunk)
+        compute_bytes = ctx.model.get_input_embeddings().weight.dtype.itemsize
+        out.metrics.update(cache_probe.probe(ctx.engine, ctx.model.config, wins, c, compute_bytes))
+        return out
+
+
+class LatencyProbe:
+    """Grid timings (TTFT, TPOT percentiles, throughput), stage table,
+    roofline and energy; raw samples as CSV."""
+
+    name, order, contention_metric = "latency", 50, "sys/foreign_cpu_cores"
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return cfg.probe.latency.enabled
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        cfg, lat, engine, out = ctx.cfg, ctx.cfg.probe.latency, ctx.engine, ProbeResult()
+        ctx.log("latency probe (%d cells, %d new tokens, >= %d requests per cell)", len(latency.cells(lat)),
+                lat.new_tokens, lat.repeats)
+        prompt = corpus.prompt_text(ctx.tokenizer, max(p for _, p in latency.cells(lat)))
+        why = engine.cannot("energy")
+        counter, why = (None, why) if why else energy.open_counter(engine.device)
+        load_before = os.getloadavg()[0]
+        timed, raw = latency.measure(engine, ctx.tokenizer, prompt, lat, counter)  # joules of timed requests only
+        out.metrics.update(timed)
+        out.metrics["sys/load1"] = max(load_before, os.getloadavg()[0])
+        out.tags["threads"] = str(torch.get_num_threads())
+        if not counter:
+            out.tags["energy.reason"] = why
+        if not engine.cannot("roofline") and "lat/tpot_ms_p50" in timed:
+            peak = roofline.host_bandwidth(cfg.cache_dir, engine.device)
+            _, p = latency.cells(lat)[0]
+            kv_mid = timed.get("mem/kv_mb", 0.0) * 2**20 * (p + lat.new_tokens / 2) / (p + lat.new_tokens)
+            out.metrics.update(roofline.utilisation(ctx.weight_bytes_read() + kv_mid, timed["lat/tpot_ms_p50"], peak))
+        out.artifacts["latency_samples.csv"] = latency.samples_csv(raw)
+        if lat.stages and (why := engine.cannot("stages")):
+            out.tags["probe.stages.skipped"] = why
+        elif lat.stages:
+            samples, totals = stages.measure(engine, ctx.tokenizer, prompt, lat.prompt_tokens,
+                                             max(lat.new_tokens - 1, 1), lat.stage_requests, lat.batch_size)
+            csv, stage_metrics = stages.table(samples, totals)
+            out.metrics.update(stage_metrics)
+            out.artifacts["stages.csv"] = csv
+        return out
+
+
+class LoadProbe:
+    """Open-loop load per policy and rate (knee, SLO attainment, plots), then
+    (with a budget) KV capacity."""
+
+    name, order, contention_metric = "load", 60, "load/foreign_cpu_cores"
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return cfg.probe.load.enabled
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        cfg, lc, engine, tok, out = ctx.cfg, ctx.cfg.probe.load, ctx.engine, ctx.tokenizer, ProbeResult()
+        ids = corpus.token_ids(tok, "auto", max(lc.prompt_tokens * 16, lc.kv_context), cfg.data_dir)[0]
+        if lc.prompts == "paragraphs":
+            prompts = corpus.paragraph_ids(tok, "auto", cfg.data_dir, lc.prompt_tokens, lc.prompt_tokens_min, 64)
+        else:
+            prompts = [ids[i * lc.prompt_tokens:(i + 1) * lc.prompt_tokens] for i in range(16)]
+        peak = 0.0 if engine.cannot("roofline") else roofline.host_bandwidth(cfg.cache_dir, engine.device)
+        ctx.log("load probe (%s, %s arrivals, %g s per rate, policies %s)",
+                "rates auto" if lc.rates == "auto" else f"rates {lc.rates}", lc.arrival, lc.duration_s,
+                ",".join(lc.policies))
+        metrics, rows, tags = load.measure(engine, prompts, lc, ctx.weight_bytes_read(), peak, cfg.seed,
+                                           lambda line: ctx.log("load: %s", line))
+        out.metrics.update(metrics)
+        out.tags.update(tags)
+        if rows:
+            out.artifacts["load.csv"] = load.csv_text(rows)
+            series = {p: [r for r in rows if r["policy"] == p] for p in dict.fromkeys(r["policy"] for r in rows)}
+            slo = {"ttft_ms": lc.slo.ttft_ms, "tpot_ms": lc.slo.tpot_ms}
+            with tempfile.TemporaryDirectory() as d:
+                out.artifacts["load.png"] = plots.load_png(series, Path(d) / "load.png", f"{ctx.name}: load",
+                                                           slo).read_bytes()
+                out.artifacts["load.html"] = plots.load_html(series, Path(d) / "load.html",
+                                                             f"{ctx.name}: load").read_text()
+        if lc.kv_budget_mb is not None and (why := engine.cannot("cache")):
+            out.tags["load.kv_capacity.skipped"] = why
+        elif lc.kv_budget_mb is not None:
+            ctx.log("KV capacity in %g MiB at %d tokens", lc.kv_budget_mb, lc.kv_context)
+            out.metrics.update(kv_capacity.measure(engine, ids, lc))
+        return out
+
+
