@@ -525,6 +525,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m quantlab.report")
     ap.add_argument("--out", default=None, help="directory for report.md, pareto.png, pareto.html")
     ap.add_argument("--no-log", action="store_true", help="do not write to the parent run")
     args = ap.parse_args(argv)
+    import os
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per point's items: noise
     from quantlab.config import TrackingConfig
 
     try:
