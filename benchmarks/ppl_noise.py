@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -61,7 +60,6 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     client, exp = tracking.connect(TrackingConfig(uri=f"sqlite:///{args.store}/mlflow.db", artifact_root=None))
     parent = report.find_parent(client, exp, args.sweep)
     runs, reused, _, base, items = report.sweep_data(client, exp, parent)

@@ -64,22 +64,18 @@ def results(sweep: str = "latest", *, tracking_uri: str | None = None, experimen
     the tracking URI, and the declared metric, budgets and alpha."""
     import pandas
 
-    from quantlab import decision, point, report, tracking
+    from quantlab import point, report, tracking
 
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = tracking_uri or default_tracking_uri()
     client, exp = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
     parent = report.find_parent(client, exp, sweep)
     runs, reused, tags, base, items = report.sweep_data(client, exp, parent)
     said = report.declared(tags)
     metric = report.decision_metric(runs, metric or (said[0] if said else "auto"))
-    b_metrics = base.data.metrics if base is not None else {}
-    b_items = items.get(base.info.run_id, {}) if base is not None else {}
     rows = []
     for r in runs:
         is_base = base is not None and r.info.run_id == base.info.run_id
-        lo = decision.loss(metric, r.data.metrics, items.get(r.info.run_id, {}), b_metrics, b_items, is_base) \
-            if tracking.done(r) else None
+        lo = report.run_loss(r, metric, base, items)
         bounded = lo is not None and lo.bounded
         rows.append({
             "point": r.info.run_name, "run_id": r.info.run_id, "measured_by": tracking.origin(r),

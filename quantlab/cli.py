@@ -67,7 +67,7 @@ def check_overrides(argv: list[str]) -> list[str]:
             if choice not in valid:
                 raise UserError(f"unknown {m['key']} {choice!r}; valid: {', '.join(valid)}")
             if m["key"] == "sweep":
-                path = next(p for d in (*extra, CONF_DIR) if (p := d / "sweep" / f"{choice}.yaml").is_file())
+                path = next(p for d in (CONF_DIR, *extra) if (p := d / "sweep" / f"{choice}.yaml").is_file())
                 warnings += _check_sweep_file(path)
     return warnings
 

@@ -203,18 +203,26 @@ def decision_metric(runs, choice: str = "auto") -> str:
     return "fid/top1_agree"
 
 
-def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -> list[Point]:
-    """Finished runs with both a loss (see :mod:`quantlab.decision`) and ``cost``."""
+def run_loss(run, metric: str, base=None, items: dict | None = None) -> decision.Loss | None:
+    """The finished ``run``'s loss on ``metric`` against the baseline run
+    ``base`` (see :mod:`quantlab.decision`); None when it has none."""
+    if not tracking.done(run):
+        return None
     items = items or {}
-    b_metrics = base.data.metrics if base is not None else {}
-    b_items = items.get(base.info.run_id, {}) if base is not None else {}
+    is_base = base is not None and run.info.run_id == base.info.run_id
+    return decision.loss(metric, run.data.metrics, items.get(run.info.run_id, {}),
+                         base.data.metrics if base is not None else {},
+                         items.get(base.info.run_id, {}) if base is not None else {}, is_base)
+
+
+def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -> list[Point]:
+    """Finished runs with both a loss (see :func:`run_loss`) and ``cost``."""
     out = []
     for r in runs:
         m = r.data.metrics
-        if not tracking.done(r) or cost not in m:
+        if cost not in m:
             continue
-        is_base = base is not None and r.info.run_id == base.info.run_id
-        lo = decision.loss(metric, m, items.get(r.info.run_id, {}), b_metrics, b_items, is_base)
+        lo = run_loss(r, metric, base, items)
         if lo is not None:
             out.append(Point(r.info.run_name, m[cost], lo.value, r.data.tags.get(point.EMULATED_TAG) == "true",
                              lo.upper if lo.bounded else None, lo.bound.p_value if lo.bounded else None,
@@ -525,9 +533,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m quantlab.report")
     ap.add_argument("--out", default=None, help="directory for report.md, pareto.png, pareto.html")
     ap.add_argument("--no-log", action="store_true", help="do not write to the parent run")
     args = ap.parse_args(argv)
-    import os
-
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per point's items: noise
     from quantlab.config import TrackingConfig
 
     try:

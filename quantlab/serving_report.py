@@ -10,21 +10,15 @@ by point, in four tables, and one P99-against-rate plot overlaying points.
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
-
-from mlflow.exceptions import MlflowException
 
 from quantlab import plots, point, tracking, uncertainty
 from quantlab.probes import knee, load
 
 
 def _rows(client, run) -> list[dict]:
-    try:
-        path = client.download_artifacts(tracking.origin(run), "load.csv", tempfile.mkdtemp(prefix="quantlab-load-"))
-    except MlflowException:
-        return []
-    return load.read_csv(Path(path).read_text())
+    path = tracking.download_small(client, tracking.origin(run), "load.csv")
+    return load.read_csv(path.read_text()) if path is not None else []
 
 
 def _fmt(v, spec: str = "{:.2f}") -> str:

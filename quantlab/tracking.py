@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import socket
 import subprocess
 import tempfile
@@ -221,14 +222,31 @@ def log_measurement(client: MlflowClient, run_id: str, m) -> None:
         log_text(client, run_id, json.dumps(m.items, separators=(",", ":")), ITEMS_ARTIFACT)
 
 
+_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+
+
 def load_items(client: MlflowClient, run_id: str) -> dict[str, list[float]]:
     """A run's per-item values (``items.json``); empty when it logged none.
     For a light run of a reused point, pass :func:`origin` (the items stay there)."""
+    path = download_small(client, run_id, ITEMS_ARTIFACT)
+    return json.loads(path.read_text()) if path is not None else {}
+
+
+def download_small(client: MlflowClient, run_id: str, name: str) -> Path | None:
+    """The run's artifact ``name`` in a fresh temporary directory, or None
+    when it has none; without MLflow's download bar (a bar per point's small
+    file, as a report reads them, is noise)."""
+    was = os.environ.get(_BAR)
+    os.environ[_BAR] = "false"
     try:
-        path = client.download_artifacts(run_id, ITEMS_ARTIFACT, tempfile.mkdtemp(prefix="quantlab-items-"))
+        return Path(client.download_artifacts(run_id, name, tempfile.mkdtemp(prefix="quantlab-artifact-")))
     except MlflowException:
-        return {}
-    return json.loads(Path(path).read_text())
+        return None
+    finally:
+        if was is None:
+            os.environ.pop(_BAR, None)
+        else:
+            os.environ[_BAR] = was
 
 
 @retry
