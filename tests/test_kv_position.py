@@ -93,8 +93,9 @@ def test_chunk_must_leave_positions_to_measure():
 
 
 def test_a_point_logs_the_error_by_position(tmp_path):
-    """Through a sweep point: the registered probe's metrics, items and tag
-    land in the run, timed as its own stage."""
+    """Through a sweep: the registered probe's metrics, items and tag land in
+    each point's run, timed as its own stage, and the report shows them by
+    position."""
     import json
 
     from mlflow import MlflowClient
@@ -102,13 +103,14 @@ def test_a_point_logs_the_error_by_position(tmp_path):
     from tests.conftest import run_cli
 
     uri = f"sqlite:///{tmp_path}/m.db"
-    out = run_cli(["model=tiny", "probe=smoke", "scheme/kv=int8", "probe.latency.enabled=false",
+    out = run_cli(["-m", "model=tiny", "probe=smoke", "scheme/kv=none,int8", "probe.latency.enabled=false",
                    "probe.kv_position.enabled=true", "probe.kv_position.length=384", "probe.kv_position.windows=2",
                    "probe.kv_position.chunk=64", "probe.kv_position.buckets=[128,256]",
                    f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"])
     assert out.returncode == 0, out.stderr[-2000:]
     client = MlflowClient(uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id],
+                                "attributes.run_name = 'bf16+kv8@cpu'")
     m = run.data.metrics
     for bucket in ("64_128", "128_256", "256_384"):
         assert m[f"kvpos/kl_{bucket}"] > 0 and f"kvpos/kl_{bucket}_stderr" in m and f"kvpos/dnll_{bucket}" in m
@@ -116,6 +118,11 @@ def test_a_point_logs_the_error_by_position(tmp_path):
     assert run.data.tags["kvpos.first_over"]  # a bucket, or "none to 384 tokens (...)"
     items = json.loads(open(client.download_artifacts(run.info.run_id, "items.json", str(tmp_path))).read())
     assert len(items["kvpos/kl_64_128"]) == 2
+    # the sweep's report: a table by position, one row per point, with the first bucket over the tolerance
+    section = out.stdout.split("KV cache by position", 1)[1].split("\n\n", 2)[1]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| bf16")]
+    assert len(rows) == 2 and rows[1].startswith("| bf16+kv8@cpu") and run.data.tags["kvpos.first_over"] in rows[1]
+    assert "| point | 64-128 | 128-256 | 256-384 | first bucket over |" in section
 
 
 def test_the_long_context_sweep_is_a_multirun_over_kv_schemes():
