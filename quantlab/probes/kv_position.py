@@ -73,7 +73,9 @@ def per_position(engine, windows: torch.Tensor, chunk: int) -> tuple[np.ndarray,
         cached, _ = cached_logprobs(engine, row[None], chunk, chunk)
         full = logprobs(engine, row[None])[chunk - 1:-1]
         target = row[chunk:, None]
-        kls.append(kl_per_token(full, cached, logits=False).numpy())
+        # in slices of rows: [8192, 49152] in float64 at once would take several GB per temporary
+        kls.append(np.concatenate([kl_per_token(full[i:i + 512], cached[i:i + 512], logits=False).numpy()
+                                   for i in range(0, len(full), 512)]))
         dnlls.append((full.gather(-1, target) - cached.gather(-1, target))[:, 0].double().numpy())
     return np.stack(kls), np.stack(dnlls)
 
