@@ -187,6 +187,25 @@ class CacheProbeConfig:
 
 
 @dataclass
+class KVPositionProbeConfig:
+    """The KV cache's error by position (:mod:`quantlab.probes.kv_position`):
+    ``windows`` windows of ``length`` tokens drawn at random within the
+    corpus's articles, fed through the point's cache ``chunk`` tokens at a
+    time; KL and NLL difference against the uncached pass per bucket of
+    positions (``buckets``: their upper edges; past the last, one more to the
+    window's end). ``tolerance``: the KL whose first crossing (by a bucket's
+    95 % upper bound) the run's ``kvpos.first_over`` tag names."""
+
+    enabled: bool = False
+    corpus: str = "auto"
+    length: int = field(default=2048, metadata={"min": 3})
+    windows: int = field(default=4, metadata={"min": 1})
+    chunk: int = field(default=64, metadata={"min": 1})
+    buckets: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 8192])
+    tolerance: float = field(default=0.01, metadata={"above": 0})
+
+
+@dataclass
 class SLOConfig:
     """Service-level objectives a request must meet to count as goodput."""
 
@@ -254,6 +273,7 @@ class ProbeConfig:
     perplexity: PerplexityProbeConfig = field(default_factory=PerplexityProbeConfig)
     cache: CacheProbeConfig = field(default_factory=CacheProbeConfig)
     load: LoadProbeConfig = field(default_factory=LoadProbeConfig)
+    kv_position: KVPositionProbeConfig = field(default_factory=KVPositionProbeConfig)
     # settings of probes other packages register (quantlab.probes entry points), by probe name:
     # +probe.plugins.<name>.<key>=<value>; part of the point's hash like any other setting
     plugins: dict[str, Any] = field(default_factory=dict)
@@ -381,6 +401,9 @@ def validate(cfg: Any, path: str = "") -> None:
     if isinstance(cfg, FidelityProbeConfig) and cfg.tokens // cfg.windows < 2:
         raise ValueError(f"{path}tokens={cfg.tokens} over {path}windows={cfg.windows}: each window needs >= 2 "
                          f"tokens")
+    if isinstance(cfg, KVPositionProbeConfig) and cfg.chunk >= cfg.length - 1:
+        raise ValueError(f"{path}chunk={cfg.chunk}: must be below {path}length - 1 ({cfg.length - 1}): the first "
+                         f"chunk is prefilled, the positions after it are measured")
     if isinstance(cfg, LatencyProbeConfig) and cfg.max_repeats < cfg.repeats:
         raise ValueError(f"{path}max_repeats={cfg.max_repeats}: must be >= {path}repeats ({cfg.repeats})")
     for f in dataclasses.fields(cfg):

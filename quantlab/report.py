@@ -347,6 +347,30 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
     return "\n".join(lines), recs
 
 
+def _bucket_start(key: str) -> int:
+    lo = key.split("_")[-2]
+    return int(lo[:-1]) * 1024 if lo.endswith("k") else int(lo)
+
+
+def kv_position_table(runs) -> str:
+    """Markdown: each point's KV-cache KL by position bucket (± se over
+    windows) and the first bucket whose bound passed the tolerance; '' when
+    no point ran the position probe."""
+    timed = [r for r in runs if tracking.done(r) and "kvpos/windows" in r.data.metrics]
+    if not timed:
+        return ""
+    keys = sorted({k for r in timed for k in r.data.metrics if k.startswith("kvpos/kl_") and not k.endswith("_stderr")},
+                  key=_bucket_start)
+    head = ["point", *(k.removeprefix("kvpos/kl_").replace("_", "-") for k in keys), "first bucket over"]
+    rows = [[r.info.run_name, *(f"{r.data.metrics[k]:.2e}±{r.data.metrics.get(k + '_stderr', float('nan')):.1e}"
+                                if k in r.data.metrics else "-" for k in keys),
+             r.data.tags.get("kvpos.first_over", "-")] for r in timed]
+    lines = ["KV cache by position (KL against the uncached pass per bucket of positions, ± se over windows; "
+             "the first bucket whose one-sided 95 % bound passes probe.kv_position.tolerance):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def time_table(runs, reused: set[str] = frozenset()) -> str:
     """Wall seconds each point spent per stage (``time/<stage>_s``), stages in
     pipeline order, and the sweep's sum: where a sweep's time goes. Reused
@@ -449,10 +473,12 @@ def build(client, experiment_id: str, parent_id: str, metric: str | None = None,
     sweep = tags.get(point.SWEEP_TAG, "?")
     paired_text = paired_table(runs, base, items) if base is not None else ""
     times = time_table(runs, {r.info.run_id for r in reused})
+    kv_positions = kv_position_table(runs)
     out = Path(out_dir or tempfile.mkdtemp(prefix="quantlab-report-"))
     out.mkdir(parents=True, exist_ok=True)
     body = (f"# Sweep {sweep} ({parent_id})\n\n{table(runs, {r.info.run_id for r in reused}, base, items)}\n\n"
             + (paired_text + "\n\n" if paired_text else "") + f"{text}\n\n"
+            + (kv_positions + "\n\n" if kv_positions else "")
             + (times + "\n\n" if times else "") + next_steps(runs, recs, sweep, parent_id, out, log_to_run) + "\n")
     serving, serving_files = serving_report.section(client, runs, out, f"quantlab sweep {sweep}: load")
     if serving:

@@ -1,7 +1,7 @@
 """quantlab's own probes, registered under ``quantlab.probes`` in
-pyproject.toml: fidelity, perplexity, accuracy (lm-eval), cache, latency,
-load. Each turns its config section into calls of its numerics module and
-returns what it measured (:mod:`quantlab.probes.base`)."""
+pyproject.toml: fidelity, perplexity, accuracy (lm-eval), cache, KV error by
+position, latency, load. Each turns its config section into calls of its
+numerics module and returns what it measured (:mod:`quantlab.probes.base`)."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ import torch
 from quantlab import corpus, plots, point
 from quantlab.config import RunConfig
 from quantlab.engines.pytorch import TorchEngine
-from quantlab.probes import (accuracy, accuracy_adaptive, energy, fidelity, kv_capacity, latency, load,
-                             perplexity, roofline, stages)
+from quantlab.probes import (accuracy, accuracy_adaptive, energy, fidelity, kv_capacity, kv_position, latency,
+                             load, perplexity, roofline, stages)
 from quantlab.probes import cache as cache_probe
 from quantlab.probes.base import ProbeContext, ProbeResult
 
@@ -146,6 +146,31 @@ class CacheProbe:
         ctx.log("cache probe (%d x %d tokens, chunk %d)", c.windows, n, c.chunk)
         compute_bytes = ctx.model.get_input_embeddings().weight.dtype.itemsize
         out.metrics.update(cache_probe.probe(ctx.engine, ctx.model.config, wins, c, compute_bytes))
+        return out
+
+
+class KVPositionProbe:
+    """The cache's error by position bucket, out to long contexts, and the
+    first bucket whose KL bound passes the tolerance."""
+
+    name, order, contention_metric = "kv_position", 45, None
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return cfg.probe.kv_position.enabled
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        cfg, c, out = ctx.cfg, ctx.cfg.probe.kv_position, ProbeResult()
+        if why := ctx.engine.cannot("cache"):
+            out.tags["probe.kv_position.skipped"] = why
+            return out
+        out.tags["probe.kv_position.corpus"] = corpus.resolve(c.corpus, cfg.data_dir)
+        wins, _ = corpus.random_windows(ctx.tokenizer, corpus.text(c.corpus, cfg.data_dir), c.length, c.windows,
+                                        cfg.seed)
+        ctx.log("KV error by position (%d windows of %d tokens, chunk %d)", c.windows, c.length, c.chunk)
+        metrics, items, over = kv_position.probe(ctx.engine, wins, c.chunk, c.buckets, c.tolerance)
+        out.metrics.update(metrics)
+        out.items.update(items)
+        out.tags["kvpos.first_over"] = over or f"none to {c.length} tokens (KL tolerance {c.tolerance:g})"
         return out
 
 
