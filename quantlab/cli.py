@@ -23,7 +23,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from quantlab.compose import register_configs
+from quantlab.compose import plugin_presets, register_configs
 from quantlab import point, tracking_server
 from quantlab.config import MODEL_PATH_HINT, RunConfig, validate
 from quantlab.errors import UserError
@@ -37,10 +37,11 @@ log = logging.getLogger("quantlab")
 
 
 def presets(group: str, extra: tuple[Path, ...] = ()) -> list[str]:
-    """Names of the YAML presets of a config group (schemas ``_x`` excluded),
-    quantlab's own and those of the ``extra`` config directories."""
+    """Names of the presets of a config group (schemas ``_x`` excluded):
+    quantlab's YAML ones, those of the ``extra`` config directories, and the
+    schemes and targets plugin packages register (each its own preset)."""
     return sorted({p.stem for d in (CONF_DIR, *extra) for p in (d / group).glob("*.yaml")
-                   if not p.stem.startswith("_")})
+                   if not p.stem.startswith("_")} | set(plugin_presets(group)))
 
 
 def search_dirs(argv: list[str]) -> tuple[Path, ...]:

@@ -31,15 +31,33 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("quantlab_cores", lambda: os.cpu_count() or 1)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
-    for name, node in registry.weight_schemas().items():
-        cs.store(group="scheme/weights", name=f"_{name}", node=node)
-    for name, node in registry.kv_schemas().items():
-        cs.store(group="scheme/kv", name=f"_{name}", node=node)
-    for node in targets.config_types():
+    for group, table in _groups().items():
+        for name, node in table.items():
+            cs.store(group=group, name=f"_{name}", node=node)
+            if not _ours(node):  # a plugin's schema is its own preset: scheme/weights=<schema>, target=<name>
+                cs.store(group=group, name=name, node=node)
+    for node in targets.config_types():  # with those registered in this process only (no preset of their own)
         cs.store(group="target", name=f"_{node.name}", node=node)
     cs.store(group="model", name="_model", node=ModelConfig)
     cs.store(group="probe", name="_probe", node=ProbeConfig)
     cs.store(group="tracking", name="_tracking", node=TrackingConfig)
+
+
+def _groups() -> dict[str, dict[str, type]]:
+    """Config group -> name -> config dataclass of every scheme and target an entry point declares."""
+    return {"scheme/weights": registry.weight_schemas(), "scheme/kv": registry.kv_schemas(),
+            "target": targets.declared()}
+
+
+def _ours(node: type) -> bool:
+    """quantlab's own configs have presets under conf/ (their schema is ``_<name>``)."""
+    return node.__module__.split(".")[0] == "quantlab"
+
+
+def plugin_presets(group: str) -> list[str]:
+    """The names a plugin's schemes or targets are composed by in ``group``
+    (each its own preset, beside the YAML presets under conf/)."""
+    return [name for name, node in _groups().get(group, {}).items() if not _ours(node)]
 
 
 def config_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
@@ -69,9 +69,12 @@ class SchemeConfig:
 @dataclass
 class TargetConfig:
     """Base of target configs; ``name`` selects the target implementation.
-    Each target's own config subclasses this in ``quantlab/targets/configs.py``
-    (no torch there: configs are checked before anything heavy loads)."""
+    Each target's own config subclasses this (quantlab's in
+    ``quantlab/targets/configs.py``; no torch there: configs are checked before
+    anything heavy loads) and names in ``MODULE`` the module whose import
+    registers its target (:func:`quantlab.targets.register`)."""
 
+    MODULE: ClassVar[str] = ""
     name: str = MISSING
 
 

@@ -1,6 +1,7 @@
 """Extension points: classes registered under an entry-point group
-(``quantlab.probes``), quantlab's own declared in its pyproject.toml the same
-way another package declares its own."""
+(``quantlab.probes``, ``quantlab.schemes``, ``quantlab.targets``), quantlab's
+own declared in its pyproject.toml the same way another package declares its
+own."""
 from __future__ import annotations
 
 from importlib.metadata import entry_points
@@ -8,6 +9,8 @@ from importlib.metadata import entry_points
 from quantlab.errors import UserError
 
 PROBES = "quantlab.probes"
+SCHEMES = "quantlab.schemes"
+TARGETS = "quantlab.targets"
 
 
 def load(group: str) -> dict[str, object]:
@@ -33,3 +36,8 @@ def load(group: str) -> dict[str, object]:
         raise UserError(f"no {group} from quantlab itself: its package metadata is not installed "
                         "(pip install -e . in the checkout)")
     return found
+
+
+def bad_name(group: str, name: str, expected: str) -> UserError:
+    """The error for an entry point in ``group`` whose name is not of the form ``expected``."""
+    return UserError(f"{group} entry point {name!r}: its name must be {expected}")

@@ -177,15 +177,20 @@ def test_no_scheme_type_or_attribute_tests_outside_schemes():
     assert hits == []
 
 
-def test_config_tables_name_what_the_handlers_register():
-    """The light config tables (composed without torch) and what the scheme
-    and target modules register once loaded are the same schemas and types."""
+def test_entry_points_name_what_the_handlers_register():
+    """The schemes and targets declared as entry points (composed without
+    torch) are what their HANDLER / MODULE modules register once imported, and
+    every one of quantlab's own has a preset of its schema under conf/."""
     from quantlab import targets
-    from quantlab.schemes import configs, registry
-    from quantlab.targets.configs import CONFIGS
+    from quantlab.schemes import registry
 
-    assert registry.registered() == (configs.WEIGHT_SCHEMAS, configs.KV_SCHEMAS)
-    assert set(CONFIGS) <= set(targets.registered())
+    assert registry.registered() == (registry.weight_schemas(), registry.kv_schemas())
+    assert set(targets.declared().values()) <= set(targets.registered())
+    conf = PKG.parent / "conf"
+    for group, table in (("scheme/weights", registry.weight_schemas()), ("scheme/kv", registry.kv_schemas()),
+                         ("target", targets.declared())):
+        for name in table:
+            assert any(f"- _{name}\n" in p.read_text() for p in (conf / group).glob("*.yaml")), (group, name)
 
 
 def test_the_architecture_diagram_names_every_module():

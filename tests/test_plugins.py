@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 
 import pytest
 from mlflow import MlflowClient
@@ -95,3 +96,60 @@ def test_every_probe_is_switched_by_its_own_section(probe):
     for on in (True, False):
         cfg = compose_cfg([f"probe.{probe}.enabled={str(on).lower()}"])
         assert p.enabled(cfg) is on
+
+
+def _guide(page: str) -> tuple[dict[str, str], str]:
+    """A guide's files (its ```python blocks, each opening with ``# <path>``)
+    and its entry points (its ```toml block) as entry_points.txt text."""
+    text = (REPO / "docs" / "guides" / page).read_text()
+    files = {}
+    for code in re.findall(r"```python\n(.*?)\n```", text, re.S):
+        first = code.partition("\n")[0]
+        if first.startswith("# ") and first.endswith(".py"):
+            files[first[2:]] = code + "\n"
+    (toml,) = re.findall(r"```toml\n(.*?)\n```", text, re.S)
+    groups = tomllib.loads(toml)["project"]["entry-points"]
+    eps = "".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in names.items()) for g, names in groups.items())
+    return files, eps
+
+
+def _package(site, dist: str, files: dict[str, str], eps: str) -> None:
+    for path, code in files.items():
+        (site / path).parent.mkdir(parents=True, exist_ok=True)
+        (site / path).write_text(code)
+    info = site / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(eps)
+
+
+def test_an_out_of_tree_scheme_and_target_run_a_sweep(tmp_path):
+    """The guides' scheme (docs/guides/schemes.md) and target with its engine
+    (docs/guides/targets.md), as written there, from packages outside
+    quantlab/: composed by their plain names, checked at compose time,
+    applied, run and logged like quantlab's own."""
+    site = tmp_path / "site"
+    _package(site, "quantlab-pertensor", *_guide("schemes.md"))
+    _package(site, "quantlab-nocache", *_guide("targets.md"))
+    assert (site / "quantlab_pertensor" / "handler.py").exists() and (site / "quantlab_nocache" / "target.py").exists()
+
+    bad = _run(site, ["scheme/weights=pertensor", "scheme.weights.compute_dtype=int3"], tmp_path)
+    assert bad.returncode == 2 and "pertensor compute_dtype 'int3'; valid: bfloat16, float16, float32" in bad.stderr
+
+    out = _run(site, ["scheme/weights=pertensor", "target=cpu_nocache", "scheme/kv=none,int8", "target.threads=1",
+                      "-m"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
+    points = {r.data.params.get("scheme.kv.type"): r for r in runs
+              if r.data.params.get("target.name") == "cpu_nocache"}
+    run, skipped = points["NoKV"], points["Int8KV"]
+    m, tags = run.data.metrics, run.data.tags
+    assert tags["quantlab.outcome"] == "finished", tags.get("quantlab.reason")
+    assert tags["emulated"] == "true" and tags["backend.weights"] == "dequantized per-tensor int8"
+    assert tags["support.reason"] == "dequantized to the compute dtype: no per-tensor int8 kernel"
+    assert run.data.params["scheme.weights.type"] == "PerTensorInt8"
+    assert 0.0 < m["fid/kl_mean"] < 0.05  # quantized (not the reference), yet close to it
+    assert m["lat/tpot_ms_p50"] > 0 and m["compile/warmup_s"] > 0  # timed through the plugin engine
+    assert skipped.data.tags["quantlab.outcome"] == "skipped"
+    assert skipped.data.tags["quantlab.reason"] == "cpu_nocache keeps no KV cache to quantize"

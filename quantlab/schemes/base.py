@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
 class _Scheme:
+    # the module whose import registers this config's handler (registry.register_weights /
+    # register_kv); imported the first time a config of this type is applied
+    HANDLER: ClassVar[str] = ""
+
     def short_name(self) -> str:
         raise NotImplementedError
 

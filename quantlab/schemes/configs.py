@@ -3,14 +3,17 @@
 This module imports neither torch nor any kernel library, so a command line
 is composed and refused (unknown value, bad range, bad recipe file) before
 anything heavy loads. The handlers that apply a config live in the scheme's
-own module (``schemes/int4.py`` applies :class:`Int4Scheme`) and register
-under the schema names of :data:`WEIGHT_SCHEMAS` / :data:`KV_SCHEMAS`.
+own module (``schemes/int4.py`` applies :class:`Int4Scheme`), named by the
+config's ``HANDLER``; pyproject.toml's ``quantlab.schemes`` entry points name
+each config under its schema (``weights.int4``, ``kv.int8``), as a plugin
+package names its own.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
 
@@ -73,6 +76,7 @@ def read_recipe(recipe: str, default: str) -> tuple[str, str, dict[str, str]]:
 
 @dataclass
 class FloatScheme(WeightScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.float"
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -85,6 +89,7 @@ class FloatScheme(WeightScheme):
 
 @dataclass
 class Int8Scheme(WeightScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.int8"
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
 
@@ -94,6 +99,7 @@ class Int8Scheme(WeightScheme):
 
 @dataclass
 class Int4Scheme(WeightScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.int4"
     group_size: int = 64
     symmetric: bool = False
     compute_dtype: str = "bfloat16"
@@ -109,6 +115,7 @@ class Int4Scheme(WeightScheme):
 
 @dataclass
 class FP8Scheme(WeightScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.fp8"
     format: str = "e4m3"
     activations: str = "none"  # none: weight-only; dynamic: W8A8, per-token scales
     compute_dtype: str = "bfloat16"
@@ -129,6 +136,7 @@ class FP8Scheme(WeightScheme):
 
 @dataclass
 class BnB4Scheme(WeightScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.bnb4"
     quant_type: str = "nf4"
     block_size: int = 64
     compute_dtype: str = "bfloat16"
@@ -144,6 +152,7 @@ class BnB4Scheme(WeightScheme):
 
 @dataclass
 class GPTQScheme(WeightScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.gptq"
     bits: int = 4
     group_size: int = 64
     symmetric: bool = False
@@ -167,6 +176,7 @@ class GPTQScheme(WeightScheme):
 
 @dataclass
 class AWQScheme(WeightScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.awq"
     group_size: int = 32
     symmetric: bool = False
     grid: int = AWQ_GRID  # alpha in {0, 1/grid, ..., 1}; alpha = 0 is plain RTN
@@ -188,6 +198,7 @@ class AWQScheme(WeightScheme):
 
 @dataclass
 class HQQScheme(WeightScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.hqq"
     nbits: int = 4
     group_size: int = 64
     compute_dtype: str = "bfloat16"
@@ -205,6 +216,7 @@ class HQQScheme(WeightScheme):
 
 @dataclass
 class W8A8Scheme(WeightScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.smoothquant"
     smooth: bool = True  # false: naive W8A8, the reference SmoothQuant is measured against
     alpha: float = 0.5  # migration strength (0: none, 1: all onto the weights)
     grid: int = 0  # > 0: alpha per layer group, searched in {0, 1/grid, ..., 1}; alpha is then unused
@@ -238,6 +250,7 @@ class W8A8Scheme(WeightScheme):
 
 @dataclass
 class MixedScheme(WeightScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.mixed"
     recipe: str = ""  # a recipe YAML; its name/default/layers replace the fields below
     name: str = "custom"
     default: str = "int4-g64"
@@ -264,6 +277,7 @@ class MixedScheme(WeightScheme):
 @dataclass
 class NoKV(KVScheme):
     """Unquantized KV cache in the model's compute dtype."""
+    HANDLER: ClassVar[str] = "quantlab.schemes.kv"
 
     def short_name(self) -> str:
         return ""
@@ -271,6 +285,7 @@ class NoKV(KVScheme):
 
 @dataclass
 class Int8KV(KVScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.kv"
     scales: str = "static"  # static: per head from the prefill; dynamic: per head and token
 
     def __post_init__(self) -> None:
@@ -283,6 +298,7 @@ class Int8KV(KVScheme):
 
 @dataclass
 class Int4KV(KVScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.kv"
     group_size: int = 32
     residual_length: int = 128
 
@@ -298,12 +314,8 @@ class Int4KV(KVScheme):
 
 @dataclass
 class FP8KV(KVScheme):
+    HANDLER: ClassVar[str] = "quantlab.schemes.kv"
+
     def short_name(self) -> str:
         return "kvfp8"
 
-
-# schema name -> config type; each handler module registers under its name
-WEIGHT_SCHEMAS: dict[str, type] = {
-    "float": FloatScheme, "int8": Int8Scheme, "int4": Int4Scheme, "fp8": FP8Scheme, "bnb4": BnB4Scheme,
-    "gptq": GPTQScheme, "awq": AWQScheme, "hqq": HQQScheme, "w8a8": W8A8Scheme, "mixed": MixedScheme}
-KV_SCHEMAS: dict[str, type] = {"none": NoKV, "int8": Int8KV, "int4": Int4KV, "fp8": FP8KV}

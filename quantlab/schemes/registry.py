@@ -13,34 +13,26 @@ Plus, optionally, how other formats and runtimes represent the scheme
 function ``cfg -> Mapping``; export and targets ask ``handler.mapping(name, cfg)``
 (and ``handler.cannot_compile(cfg, device)``) instead of testing scheme types
 or reading scheme fields: no code outside ``schemes/`` does either.
+
+Which schemes exist is the ``quantlab.schemes`` entry-point group
+(``weights.<schema>`` / ``kv.<schema>`` = the config dataclass), read without
+importing a handler; a config's handler module (its ``HANDLER``) is imported the
+first time a config of that type is looked up. quantlab's own schemes are
+declared in its pyproject.toml the way a plugin package declares its own.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
-from quantlab.schemes import configs
+from quantlab import plugins
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without torch (export's command line)
     import torch
 
     from quantlab.hardware import Hardware
-
-_MODULES = (
-    "quantlab.schemes.float",
-    "quantlab.schemes.int8",
-    "quantlab.schemes.int4",
-    "quantlab.schemes.fp8",
-    "quantlab.schemes.bnb4",
-    "quantlab.schemes.gptq",
-    "quantlab.schemes.awq",
-    "quantlab.schemes.hqq",
-    "quantlab.schemes.smoothquant",
-    "quantlab.schemes.mixed",
-    "quantlab.schemes.kv",
-)
-
 
 @dataclass(frozen=True)
 class Support:
@@ -121,36 +113,47 @@ def register_kv(schema: str, config_type: type, support, apply, **formats) -> No
     _KV[config_type] = Handler(schema, config_type, support, apply, formats)
 
 
-def _load() -> None:
-    for mod in _MODULES:
-        importlib.import_module(mod)
+@functools.cache
+def _schemas() -> dict[str, dict[str, type]]:
+    """``{"weights": {schema: config type}, "kv": {...}}`` from the entry points."""
+    out: dict[str, dict[str, type]] = {"weights": {}, "kv": {}}
+    for name, cls in plugins.load(plugins.SCHEMES).items():
+        kind, _, schema = name.partition(".")
+        if kind not in out or not schema:
+            raise plugins.bad_name(plugins.SCHEMES, name, "weights.<schema> or kv.<schema>")
+        out[kind][schema] = cls
+    return out
 
 
 def weight_schemas() -> dict[str, type]:
     """Schema name -> config type, without loading a handler (no torch)."""
-    return dict(configs.WEIGHT_SCHEMAS)
+    return dict(_schemas()["weights"])
 
 
 def kv_schemas() -> dict[str, type]:
     """Schema name -> config type, without loading a handler (no torch)."""
-    return dict(configs.KV_SCHEMAS)
+    return dict(_schemas()["kv"])
 
 
 def registered() -> tuple[dict[str, type], dict[str, type]]:
-    """What the handler modules registered (loading them): schema name ->
-    config type, weights and KV; equal to :data:`configs.WEIGHT_SCHEMAS` and
-    :data:`configs.KV_SCHEMAS` (a test holds them so)."""
-    _load()
+    """What the handler modules of every declared scheme register once
+    imported: schema name -> config type, weights and KV (equal to
+    :func:`weight_schemas` and :func:`kv_schemas`: a test holds them so)."""
+    for cls in (*weight_schemas().values(), *kv_schemas().values()):
+        importlib.import_module(cls.HANDLER)
     return ({h.schema: h.config_type for h in _WEIGHTS.values()}, {h.schema: h.config_type for h in _KV.values()})
 
 
 def _lookup(table: dict[type, Handler], cfg: Any, kind: str) -> Handler:
-    _load()
+    if type(cfg) not in table and getattr(cfg, "HANDLER", ""):
+        importlib.import_module(cfg.HANDLER)
     try:
         return table[type(cfg)]
     except KeyError:
         known = ", ".join(sorted(t.__name__ for t in table))
-        raise TypeError(f"no {kind} handler for {type(cfg).__name__}; known: {known}") from None
+        raise TypeError(f"no {kind} handler for {type(cfg).__name__} (its HANDLER module "
+                        f"{getattr(cfg, 'HANDLER', '') or 'is not set'} registered none); "
+                        f"loaded: {known}") from None
 
 
 def weights_handler(cfg: Any) -> Handler:

@@ -2,7 +2,9 @@
 
 Like :mod:`quantlab.schemes.configs` this imports nothing heavy, so a bad
 ``target.*`` value is refused at compose time; each target's implementation
-(``targets/<name>.py``) registers against its config type here.
+(``targets/<name>.py``, the config's ``MODULE``) registers against its config
+type; pyproject.toml's ``quantlab.targets`` entry points name each config, as
+a plugin package names its own.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class CPUTargetConfig(TargetConfig):
     mode. ``static_cache``: > 0 decodes into a preallocated ``StaticCache`` of
     that many tokens (fixed shapes: no recompiles, and what CUDA graphs need)."""
 
+    MODULE: ClassVar[str] = "quantlab.targets.cpu"
     name: str = "cpu"
     threads: Optional[int] = field(default=None, metadata={"min": 1})  # None: leave torch's default (all cores)
     compile: bool = False
@@ -30,6 +33,7 @@ class CUDATargetConfig(TargetConfig):
     """As the CPU target; ``compile_mode=reduce-overhead`` captures CUDA graphs
     and needs ``static_cache`` > 0."""
 
+    MODULE: ClassVar[str] = "quantlab.targets.cuda"
     name: str = "cuda"
     device: int = 0
     compile: bool = False
@@ -43,6 +47,7 @@ class LlamaCppTargetConfig(TargetConfig):
     """``threads``: llama.cpp threads (None: all cores). ``n_ctx``: context slots
     of the KV cache. ``gguf_cache``: where exported points are kept by content."""
 
+    MODULE: ClassVar[str] = "quantlab.targets.llamacpp"
     CONTEXT_FIELD: ClassVar[str] = "n_ctx"  # the longest sequence it holds (checked against the probes)
 
     name: str = "llamacpp"
@@ -56,6 +61,7 @@ class LlamaCppTargetConfig(TargetConfig):
 class NeuronTargetConfig(TargetConfig):
     """AWS Inferentia2/Trainium via optimum-neuron in its own interpreter."""
 
+    MODULE: ClassVar[str] = "quantlab.targets.neuron"
     CONTEXT_FIELD: ClassVar[str] = "sequence_length"
 
     name: str = "neuron"
@@ -82,6 +88,7 @@ class VllmTargetConfig(TargetConfig):
     position at SmolLM2's 49,152-token vocabulary on 2 cores). ``port``: None
     picks a free one."""
 
+    MODULE: ClassVar[str] = "quantlab.targets.vllm"
     CONTEXT_FIELD: ClassVar[str] = "max_model_len"
     name: str = "vllm"
     device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda")})  # which vLLM build
@@ -97,6 +104,3 @@ class VllmTargetConfig(TargetConfig):
     enforce_eager: bool = True
     export_cache: str = "~/.cache/quantlab/vllm-exports"
 
-
-CONFIGS: tuple[type, ...] = (CPUTargetConfig, CUDATargetConfig, NeuronTargetConfig, LlamaCppTargetConfig,
-                              VllmTargetConfig)
