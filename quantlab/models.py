@@ -24,19 +24,24 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from quantlab import shapes
 from quantlab.config import ModelConfig
 from quantlab.errors import UserError
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("hf", "gguf", "smollm2", "tiny")
+SOURCES = ("hf", "gguf", "smollm2", "tiny", "shape")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load(cfg: ModelConfig, cache_dir: str, dtype: torch.dtype = torch.float32):
-    """Return ``(model, tokenizer)`` in eval mode on CPU, weights in ``dtype``."""
+    """Return ``(model, tokenizer)`` in eval mode on CPU, weights in ``dtype``
+    (a shape: in bfloat16, see :func:`shape_model`)."""
     if cfg.source == "tiny":
         return tiny_model(cfg, dtype), byte_tokenizer()
+    if cfg.source == "shape":
+        shape = shape_of(cfg)
+        return shape_model(shape, cfg.shape.seed), byte_tokenizer(shape.vocab_size)
     if cfg.source == "smollm2":
         return _from_gguf(smollm2_gguf_path(), cache_dir, dtype)
     if cfg.source == "gguf":
@@ -160,14 +165,50 @@ def tiny_model(cfg: ModelConfig, dtype=torch.float32) -> LlamaForCausalLM:
     return model.to(dtype).eval()
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer built in memory: 256 byte tokens plus bos/eos/pad."""
+def shape_of(cfg: ModelConfig) -> shapes.Shape:
+    """The named shape of ``cfg.shape`` with its overrides."""
+    return shapes.resolve(cfg.shape.name, {k: getattr(cfg.shape, k) for k in shapes.FIELDS if hasattr(cfg.shape, k)})
+
+
+def shape_config(shape: shapes.Shape):
+    """transformers' config of ``shape`` (LlamaConfig or Qwen2Config), byte
+    tokenizer's special ids."""
+    from transformers import Qwen2Config
+
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.arch]
+    return config_cls(**shapes.hf_config_fields(shape), bos_token_id=256, eos_token_id=257, pad_token_id=258)
+
+
+def shape_model(shape: shapes.Shape, seed: int = 0) -> torch.nn.Module:
+    """The architecture of ``shape`` with seeded random weights, built in
+    bfloat16 (an 8B shape takes 16 GB, never its fp32 32 GB; a scheme casts
+    from there): transformers' own initialisation, normal with std 0.02 for
+    every Linear and the embeddings (the scale of trained checkpoints' weights,
+    so int8/int4 quantize a real-looking distribution), norms at 1."""
+    before = torch.get_default_dtype()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = AutoModelForCausalLM.from_config(shape_config(shape))
+        finally:
+            torch.set_default_dtype(before)
+    return model.eval()
+
+
+def byte_tokenizer(vocab_size: int = 0) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer built in memory: 256 byte tokens plus bos/eos/pad,
+    padded with never-produced tokens ``<unused{i}>`` to ``vocab_size`` where
+    that is larger (a shape's vocabulary: embedding and head at their real
+    size, and a GGUF whose token list matches them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     for special in ("<s>", "</s>", "<pad>"):
         vocab[special] = len(vocab)
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<unused{i}>"] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -100,8 +100,10 @@ def target_label(target: Any) -> str:
 class Identity:
     """What names a point: ``scheme`` (``int4-g64+kv8``), ``weights``
     (``int4-g64``), ``kv`` (``kv8``, or '' for the unquantized cache),
-    ``target`` (``cpu+compile``) and ``hash`` (16 hex digits of the semantic
-    config, quantlab's code version ``code`` and the data files' sha256 ``data``)."""
+    ``target`` (``cpu+compile``), ``hash`` (16 hex digits of the semantic
+    config, quantlab's code version ``code`` and the data files' sha256
+    ``data``) and ``model``: '' for a real model, the model's name for a
+    named shape with random weights (a scaling sweep's points differ by it)."""
 
     scheme: str
     weights: str
@@ -110,11 +112,13 @@ class Identity:
     hash: str
     code: str
     data: str
+    model: str = ""
 
     @property
     def name(self) -> str:
-        """The run name: ``<scheme>@<target>``."""
-        return f"{self.scheme}@{self.target}"
+        """The run name: ``<scheme>@<target>``, after ``<model>:`` for a shape
+        (``llama-3.2-1b-random:int8@cpu``)."""
+        return f"{self.model + ':' if self.model else ''}{self.scheme}@{self.target}"
 
 
 def identify(cfg: Any, as_dict: dict[str, Any], code: str, data: str) -> Identity:
@@ -127,7 +131,8 @@ def identify(cfg: Any, as_dict: dict[str, Any], code: str, data: str) -> Identit
     semantic["code"], semantic["data"] = code, data
     digest = hashlib.sha256(json.dumps(semantic, sort_keys=True).encode()).hexdigest()[:16]
     weights, kv = cfg.scheme.weights.short_name(), cfg.scheme.kv.short_name()
-    return Identity(f"{weights}{'+' + kv if kv else ''}", weights, kv, target_label(cfg.target), digest, code, data)
+    return Identity(f"{weights}{'+' + kv if kv else ''}", weights, kv, target_label(cfg.target), digest, code, data,
+                    cfg.model.name if cfg.model.source == "shape" else "")
 
 
 def find_sweep(sweeps: list[tuple[str, dict[str, str]]], sweep: str) -> tuple[str, dict[str, str]]:

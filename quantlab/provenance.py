@@ -104,10 +104,11 @@ def data_fingerprint(cfg) -> str:
 def run_params(cfg, ident, as_dict: dict) -> dict[str, str]:
     """The config as MLflow params, plus ``scheme`` (the point's scheme name, a
     param so that the UI's charts can plot against it); the settings of the
-    in-memory ``tiny`` model only where that is the model."""
+    in-memory ``tiny`` model, and of a named ``shape``, only where that is the model."""
     params = tracking.flatten(as_dict)
-    if cfg.model.source != "tiny":
-        params = {k: v for k, v in params.items() if not k.startswith("model.tiny.")}
+    for source in ("tiny", "shape"):
+        if cfg.model.source != source:
+            params = {k: v for k, v in params.items() if not k.startswith(f"model.{source}.")}
     params[point.SCHEME_TAG] = ident.scheme
     return params
 
@@ -124,6 +125,7 @@ def run_tags(cfg, ident) -> dict[str, str]:
         "target": cfg.target.name,
         "target.variant": ident.target,
         "model": cfg.model.name,
+        "model.random_weights": str(cfg.model.source in ("shape", "tiny")).lower(),
         point.HASH_TAG: ident.hash,
         point.HOST_CPU_TAG: hardware.cpu_name(),
         "host.gpu": gpu.name if gpu else "none",

@@ -6,7 +6,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from quantlab import decision, plots, point, serving_report, tracking, uncertainty
+from quantlab import decision, plots, point, scaling, serving_report, tracking, uncertainty
 from quantlab.config import default_tracking_uri
 from quantlab.errors import UserError
 from quantlab.measurement import TIME_PREFIX
@@ -402,7 +402,7 @@ def next_steps(runs, recs: dict[float, Recommendation], sweep: str, parent_id: s
         if rec.point is not None:
             lines.append(f"- export the {b:g} pick: `python -m quantlab.export --sweep {sweep} --budget {b:g} "
                          f"--out exports/{sweep}-{b:g}`")
-    where = f"Files: report.md, pareto.png, pareto.html in {out}"
+    where = f"Files: {', '.join(['report.md', *(('pareto.png', 'pareto.html') if recs else ())])} in {out}"
     lines.append(where + (f", and as artifacts of the parent run {parent_id}." if logged else "."))
     return "\n".join(lines)
 
@@ -466,7 +466,11 @@ def build(client, experiment_id: str, parent_id: str, metric: str | None = None,
     alpha = alpha if alpha is not None else (said[2] if said else uncertainty.ALPHA)
     late = post_hoc(runs, said, metric, budgets, alpha)
     by = objective(runs, by)
-    text, recs = decide(runs, metric, budgets, base, items, by, alpha, late)
+    if any(tracking.done(r) and metric in r.data.metrics for r in runs):
+        text, recs = decide(runs, metric, budgets, base, items, by, alpha, late)
+    else:  # nothing to put on an accuracy axis (model=shape, probe=latency): no pick, no Pareto plot
+        text, recs = (f"No point measured {metric}: a latency-only sweep (random weights or probe=latency), so no "
+                      f"point is picked by loss and none is plotted against one."), {}
     text = (f"Declared at launch: {_declaration_text(said)}." if said else
             "Declared at launch: nothing (a sweep from before declarations: every pick is post hoc).") + \
         "\n\n" + text
@@ -483,15 +487,18 @@ def build(client, experiment_id: str, parent_id: str, metric: str | None = None,
     serving, serving_files = serving_report.section(client, runs, out, f"quantlab sweep {sweep}: load")
     if serving:
         body += "\n" + serving + "\n"
+    by_size, size_files = scaling.section(runs, out)
+    if by_size:
+        body += "\n" + by_size + "\n"
     (out / "report.md").write_text(body)
-    panels = {c: points(runs, metric, c, base, items) for c in ("lat/tpot_ms_p50", "size/weight_mb")}
+    panels = {c: points(runs, metric, c, base, items) if recs else [] for c in ("lat/tpot_ms_p50", "size/weight_mb")}
     label = metric if metric.startswith(decision.KL) else f"relative loss on {metric}"
     title = f"quantlab sweep {sweep}"
     if any(panels.values()):
         plots.png(panels, label, out / "pareto.png", title)
         plots.html(panels, label, out / "pareto.html", title)
     if log_to_run:
-        for f in ("report.md", "pareto.png", "pareto.html", *serving_files):
+        for f in ("report.md", "pareto.png", "pareto.html", *serving_files, *size_files):
             if (out / f).is_file():
                 client.log_artifact(parent_id, str(out / f))
         by_name = {r.info.run_name: r.info.run_id for r in runs}

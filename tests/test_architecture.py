@@ -20,7 +20,7 @@ PKG = Path(__file__).resolve().parent.parent / "quantlab"
 # import its own layer and the ones below; the most specific prefix decides.
 LAYERS = [
     ("base", ["errors", "digest", "point", "divergence", "decode", "stats", "uncertainty", "sequential", "pareto", "measurement",
-              "hardware", "contention", "decision", "config", "corpus", "ports", "resources", "plugins"]),
+              "hardware", "contention", "decision", "config", "corpus", "ports", "resources", "plugins", "shapes"]),
     ("data", ["models", "calibration", "tracking", "tracking_server", "plots"]),
     ("schemes", ["schemes"]),
     ("serving", ["serving"]),
@@ -28,7 +28,7 @@ LAYERS = [
     ("probes", ["probes"]),
     ("writers", ["export.formats", "export.checkpoint", "export.gguf", "export.roundtrip", "export"]),
     ("targets", ["targets"]),
-    ("app", ["compose", "provenance", "pipeline", "report", "serving_report", "sweep", "cli", "capabilities",
+    ("app", ["compose", "provenance", "pipeline", "report", "serving_report", "scaling", "sweep", "cli", "capabilities",
              "sensitivity", "__main__", "export.run", "export.cli", "export.__main__", "console", "api"]),
 ]
 

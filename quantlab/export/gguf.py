@@ -134,15 +134,16 @@ def tensors(model: torch.nn.Module) -> list[tuple[str, str, np.ndarray, tuple[in
     import gguf
 
     cfg = model.config
-    if cfg.model_type != "llama":
-        raise UserError(f"GGUF export writes llama-architecture models; this one is {cfg.model_type!r}")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture(cfg).upper()], cfg.num_hidden_layers)
     ftype = _float_type(model)
-    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-    def gguf_name(module: str) -> str:
-        found = names.get_name(f"{module}.weight", try_suffixes=(".weight",))
+    # llama.cpp's llama graph applies RoPE to interleaved pairs: Q/K rows are permuted from HF's halves;
+    # its qwen2 graph rotates halves (NeoX style), as HF does: no permutation
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} if cfg.model_type == "llama" else {}
+
+    def gguf_name(module: str, kind: str = "weight") -> str:
+        found = names.get_name(f"{module}.{kind}", try_suffixes=(f".{kind}",))
         if found is None:
-            raise UserError(f"GGUF: {module}.weight has no llama.cpp tensor name")
+            raise UserError(f"GGUF: {module}.{kind} has no llama.cpp tensor name")
         return found
 
     out = []
@@ -156,10 +157,26 @@ def tensors(model: torch.nn.Module) -> list[tuple[str, str, np.ndarray, tuple[in
             gtype, data = _matrix(mod, ftype, rows)
             shape = tuple(mod.weight.shape) if hasattr(mod, "weight") else (mod.out_features, mod.in_features)
             out.append((gname, gtype, data, shape))
+            bias = getattr(mod, "bias", None)
+            if isinstance(bias, torch.Tensor):  # qwen2's q/k/v biases: F32, as llama.cpp's converter writes them
+                b = bias.detach().float().numpy()
+                out.append((gguf_name(name, "bias"), "F32", b, tuple(b.shape)))
         elif leaf.endswith("norm") and hasattr(mod, "weight"):
             w = mod.weight.detach().float().numpy()
             out.append((gguf_name(name), "F32", w, tuple(w.shape)))
     return out
+
+
+ARCHITECTURES = ("llama", "qwen2")
+
+
+def architecture(cfg) -> str:
+    """The GGUF architecture of an HF config (``llama``, ``qwen2``); one line
+    naming the ones written otherwise."""
+    if cfg.model_type not in ARCHITECTURES:
+        raise UserError(f"GGUF export writes {', '.join(ARCHITECTURES)} architectures; this one is "
+                        f"{cfg.model_type!r}")
+    return cfg.model_type
 
 
 def _rope_theta(cfg) -> float:
@@ -215,7 +232,7 @@ def write(model: torch.nn.Module, tokenizer, dest: Path, source_gguf: Path | Non
     items = tensors(model)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf.GGUFWriter(str(tmp), architecture(cfg))
     w.add_name(name)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from quantlab.config import RunConfig
-from quantlab.measurement import Measurement
+from quantlab.measurement import Measurement, weight_bytes_read
 
 log = logging.getLogger("quantlab")
 
@@ -101,5 +101,4 @@ class ProbeContext:
         """Weight bytes one decode step reads: the runtime's own where it
         stores them differently (llama.cpp's blocks), less the rows of an
         untied embedding table a step does not read."""
-        return self.metrics.get("size/runtime_weight_bytes", self.metrics["size/weight_bytes"]) \
-            - self.metrics.get("size/embedding_unread_bytes", 0.0)
+        return weight_bytes_read(self.metrics)
