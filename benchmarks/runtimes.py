@@ -1,6 +1,6 @@
 """Decode speed of each weight scheme on each CPU runtime, side by side, batch 1.
 
-    python benchmarks/runtimes.py [--model smollm2] [--rounds 5] [--tokens 64]
+    python benchmarks/runtimes.py [--model smollm2|tiny|shape:<name>] [--rounds 5] [--tokens 64]
         [--schemes bf16,fp16,int8,int4-g64,int4-g32-sym] [--runtimes eager,compile,llamacpp,llamacpp-own]
 
 Runtimes: ``eager`` and ``compile`` (torch.compile, inductor) are quantlab's
@@ -18,6 +18,12 @@ TTFT at 128 and 512 prompt tokens, weight bytes read per step, achieved GB/s
 over the measured read bandwidth, and the per-token overhead: TPOT minus the
 time the weight bytes take at that bandwidth. ``--quality`` adds KL against the
 fp32 model and WikiText-2 token perplexity for the llama.cpp files.
+
+``--model shape:smollm2-1.7b`` times a real architecture with seeded random
+weights (``model=shape``: quantlab/shapes.py), where decode is bound by weight
+bytes rather than by per-token overhead; every variant is held in memory at
+once, so on 24 GiB the largest shape is smollm2-1.7b (llama-3.2-3b's eight
+variants take about 28 GB). ``--quality`` means nothing there.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import numpy as np
 import torch
 
 from quantlab import corpus, hardware, models
-from quantlab.config import ModelConfig
+from quantlab.config import ModelConfig, ShapeModelConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import fidelity, perplexity, roofline, size
 from quantlab.schemes.float import FloatScheme
@@ -59,6 +65,14 @@ SCHEMES = {
 }
 OWN_FTYPE = {"int8": "Q8_0", "int4-g32-sym": "Q4_0", "int4-g32": "Q4_1"}  # llama.cpp's own quantizer
 GGML_BF16 = 30  # ggml_type of BF16 (llama-cpp-python has no constant for it)
+
+
+def model_config(name: str) -> ModelConfig:
+    """``smollm2``, ``tiny``, or ``shape:<name>`` (random weights)."""
+    if name.startswith("shape:"):
+        shape = name.split(":", 1)[1]
+        return ModelConfig(name=f"{shape}-random", source="shape", shape=ShapeModelConfig(name=shape))
+    return ModelConfig(name=name, source=name)
 
 
 def quantized(cfg: ModelConfig, name: str, cache_dir: str, data_dir: str | None):
@@ -94,7 +108,7 @@ def own_quantized(cfg: ModelConfig, ftype: str, cache_dir: str, tmp: Path, threa
 
 def build(args, tmp: Path) -> dict[tuple[str, str], tuple]:
     """``(scheme, runtime) -> (engine, tokenizer, weight bytes read per step)``."""
-    cfg = ModelConfig(name=args.model, source=args.model)
+    cfg = model_config(args.model)
     lc_cfg = LlamaCppTargetConfig(threads=args.threads, n_ctx=1024, gguf_cache=str(tmp / "cache"))
     torch._dynamo.config.recompile_limit = 64  # several compiled models side by side
     built = {}
@@ -127,7 +141,7 @@ def build(args, tmp: Path) -> dict[tuple[str, str], tuple]:
 def quality(built, args) -> None:
     """KL vs fp32 (WikiText-2 test text, else the built-in text) and WikiText-2
     token perplexity, for the llama.cpp files."""
-    cfg = ModelConfig(name=args.model, source=args.model)
+    cfg = model_config(args.model)
     ref_model, tok = models.load(cfg, args.cache_dir)
     ids = corpus.token_ids(tok, "wikitext2" if args.data_dir else "builtin", 1024, args.data_dir)
     ref = fidelity.logprobs(TorchEngine(ref_model), ids)
@@ -149,7 +163,7 @@ def quality(built, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2", help="smollm2 or tiny")
+    ap.add_argument("--model", default="smollm2", help="smollm2, tiny or shape:<name> (random weights)")
     ap.add_argument("--schemes", default="bf16,fp16,int8,int4-g64,int4-g32-sym")
     ap.add_argument("--runtimes", default="eager,llamacpp,llamacpp-own", help="eager,compile,llamacpp,llamacpp-own")
     ap.add_argument("--rounds", type=int, default=5)

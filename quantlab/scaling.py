@@ -98,8 +98,9 @@ def section(runs, out: Path) -> tuple[str, list[str]]:
 
 
 def png(table: list[dict], path: Path) -> bool:
-    """TPOT against weight GB, one colour per engine, a fitted line per engine
-    and scheme; emulated points hollow. False when there is nothing to draw."""
+    """TPOT against weight GB: a colour per engine, a marker and a fitted line
+    per scheme; emulated points hollow; the largest model's points named.
+    False when there is nothing to draw."""
     if not table:
         return False
     import matplotlib
@@ -107,23 +108,32 @@ def png(table: list[dict], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
     lines = fits(table)
+    schemes = list(dict.fromkeys(r["scheme"] for r in table))
+    biggest = max(r["params"] for r in table)
     for i, engine in enumerate(dict.fromkeys(r["engine"] for r in table)):
         colour = f"C{i}"
-        pts = [r for r in table if r["engine"] == engine]
-        real, emu = [r for r in pts if not r["emulated"]], [r for r in pts if r["emulated"]]
-        ax.scatter([r["gb"] for r in real], [r["tpot"] for r in real], c=colour, label=engine)
-        if emu:
-            ax.scatter([r["gb"] for r in emu], [r["tpot"] for r in emu], facecolors="none", edgecolors=colour,
-                       label=f"{engine} (emulated)")
-        for j, ((e, scheme), (a, b, _)) in enumerate(lines.items()):
-            if e == engine:
-                xs = [0.0, max(r["gb"] for r in pts if r["scheme"] == scheme)]
-                ax.plot(xs, [a + b * x for x in xs], ("-", "--", ":", "-.")[j % 4], c=colour, lw=1)
-        for r in pts:
-            ax.annotate(f"{r['model'].removesuffix('-random')} {r['scheme']}", (r["gb"], r["tpot"]), fontsize=7,
-                        textcoords="offset points", xytext=(4, 3))
+        for j, scheme in enumerate(schemes):
+            pts = [r for r in table if (r["engine"], r["scheme"]) == (engine, scheme)]
+            if not pts:
+                continue
+            marker, style = "osD^v<>"[j % 7], ("-", "--", ":", "-.")[j % 4]
+            real, emu = [r for r in pts if not r["emulated"]], [r for r in pts if r["emulated"]]
+            if real:
+                ax.scatter([r["gb"] for r in real], [r["tpot"] for r in real], c=colour, marker=marker,
+                           label=f"{engine} {scheme}")
+            if emu:
+                ax.scatter([r["gb"] for r in emu], [r["tpot"] for r in emu], facecolors="none", edgecolors=colour,
+                           marker=marker, label=f"{engine} {scheme} (emulated)")
+            if (engine, scheme) in lines:
+                a, b, _ = lines[(engine, scheme)]
+                xs = [0.0, max(r["gb"] for r in pts)]
+                ax.plot(xs, [a + b * x for x in xs], style, c=colour, lw=1)
+            for r in pts:
+                if r["params"] == biggest:  # the rest are named by the table; labels there would overlap
+                    ax.annotate(r["model"].removesuffix("-random"), (r["gb"], r["tpot"]), fontsize=7,
+                                textcoords="offset points", xytext=(4, 3))
     ax.set_xlabel("weight GB a decode step reads")
     ax.set_ylabel("TPOT p50 (ms)")
     ax.set_title("decode time per token against weight bytes")
