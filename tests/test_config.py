@@ -119,7 +119,8 @@ def test_every_preset_passes_validation(tmp_path):
     from quantlab.config import validate
 
     (tmp_path / "x.gguf").touch()
-    extra = {"model": {"hf": [f"model.path={tmp_path}"], "gguf": [f"model.path={tmp_path / 'x.gguf'}"]}}
+    extra = {"model": {"hf": [f"model.path={tmp_path}"], "gguf": [f"model.path={tmp_path / 'x.gguf'}"],
+                       "shape": ["probe=latency"]}}  # random weights: accuracy probes are refused
     for group, preset in CASES:
         validate(compose_cfg([f"{group}={preset}", *extra.get(group, {}).get(preset, [])]))
 
@@ -257,4 +258,4 @@ def test_a_users_own_presets_join_through_hydras_search_path(tmp_path):
     said = out.stdout + out.stderr
     assert "bf16@cpu" in said and "loading model mine" in said
     bad = run_cli(["model=mien", *common])
-    assert bad.returncode == 2 and "unknown model 'mien'; valid: gguf, hf, mine, smollm2-135m, tiny" in bad.stderr
+    assert bad.returncode == 2 and "unknown model 'mien'; valid: gguf, hf, mine, shape, smollm2-135m, tiny" in bad.stderr

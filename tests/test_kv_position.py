@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,7 +56,9 @@ def test_first_over_names_the_first_bucket_whose_bound_passes():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return models.tiny_model(ModelConfig(name="tiny", source="tiny")), models.byte_tokenizer()
+    # float64: the uncached pass and the chunked cached one then agree exactly on any CPU (in fp32 their
+    # summation orders differ by up to 3.5e-8 in KL on some hosts, a third of what int8 adds here)
+    return models.tiny_model(ModelConfig(name="tiny", source="tiny"), torch.float64), models.byte_tokenizer()
 
 
 def _run(tiny, kv, length=320, windows=3, chunk=32, tolerance=1e-6):
@@ -68,7 +71,7 @@ def test_an_exact_cache_scores_zero_and_quantized_ones_grow_by_scheme(tiny):
     dense, _, over = _run(tiny, NoKV())
     keys = [k for k in dense if k.startswith("kvpos/kl_") and not k.endswith("_stderr")]
     assert [k.removeprefix("kvpos/kl_") for k in keys] == ["32_64", "64_128", "128_256", "256_320"]
-    assert all(dense[k] < 1e-8 for k in keys) and over == ""  # 0, or summation order (4e-9 past 256)
+    assert all(dense[k] < 1e-8 for k in keys) and over == ""  # 0 in float64
     int8, items8, over8 = _run(tiny, Int8KV("dynamic"))
     int4, _, over4 = _run(tiny, Int4KV(group_size=16, residual_length=16))
     for k in keys:

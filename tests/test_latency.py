@@ -93,11 +93,27 @@ def test_bandwidth_is_bytes_times_rate():
 
 
 def test_host_bandwidth_cached(tmp_path, monkeypatch):
+    from quantlab import contention
+
+    monkeypatch.setattr(contention, "foreign_cores", lambda a, b: 0.0)  # measured on an idle host
     calls = []
     monkeypatch.setattr(roofline, "measure_read_bandwidth", lambda d: calls.append(d) or 1.5e10)
     assert roofline.host_bandwidth(str(tmp_path), torch.device("cpu")) == 1.5e10
     assert roofline.host_bandwidth(str(tmp_path), torch.device("cpu")) == 1.5e10
     assert len(calls) == 1
+
+
+def test_host_bandwidth_measured_beside_other_work_is_not_kept(tmp_path, monkeypatch):
+    """A contended measurement understates the host: used once, measured again next time."""
+    from quantlab import contention
+
+    values = iter([1.0e10, 1.6e10, 9.9e10])
+    monkeypatch.setattr(roofline, "measure_read_bandwidth", lambda d: next(values))
+    monkeypatch.setattr(contention, "foreign_cores", lambda a, b: 1.0)
+    assert roofline.host_bandwidth(str(tmp_path), torch.device("cpu")) == 1.0e10
+    monkeypatch.setattr(contention, "foreign_cores", lambda a, b: 0.0)
+    assert roofline.host_bandwidth(str(tmp_path), torch.device("cpu")) == 1.6e10  # measured again, idle: kept
+    assert roofline.host_bandwidth(str(tmp_path), torch.device("cpu")) == 1.6e10
 
 
 def test_measured_bandwidth_is_plausible():
