@@ -31,13 +31,13 @@ def register_configs() -> None:
         OmegaConf.register_new_resolver("quantlab_cores", lambda: os.cpu_count() or 1)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
-    for group, table in _groups().items():
+    declared = _groups()
+    # targets with those registered in this process only (tests' fakes: a schema, no preset of their own)
+    for group, table in {**declared, "target": {t.name: t for t in targets.config_types()}}.items():
         for name, node in table.items():
             cs.store(group=group, name=f"_{name}", node=node)
-            if not _ours(node):  # a plugin's schema is its own preset: scheme/weights=<schema>, target=<name>
+            if name in declared[group] and not _ours(node):  # a plugin's own preset: target=<name>, ...
                 cs.store(group=group, name=name, node=node)
-    for node in targets.config_types():  # with those registered in this process only (no preset of their own)
-        cs.store(group="target", name=f"_{node.name}", node=node)
     cs.store(group="model", name="_model", node=ModelConfig)
     cs.store(group="probe", name="_probe", node=ProbeConfig)
     cs.store(group="tracking", name="_tracking", node=TrackingConfig)

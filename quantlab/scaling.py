@@ -88,19 +88,20 @@ def section(runs, out: Path) -> tuple[str, list[str]]:
               "(slope: ms per GB, 1 / slope: the effective bandwidth once bound by bytes; intercept: fixed cost "
               "per token):", "",
               "| engine | scheme | points | ms per GB | effective GB/s | intercept ms |", "|---|---|---|---|---|---|"]
+    lines_fit = fits(table)
     lines += [f"| {e} | {sc} | {n} | {b:.2f} | {_f(1e3 / b if b > 0 else None, '.1f')} | {a:.2f} |"
-              for (e, sc), (a, b, n) in fits(table).items()]
+              for (e, sc), (a, b, n) in lines_fit.items()]
     files = []
-    if png(table, out / "scaling.png"):
+    if png(table, lines_fit, out / "scaling.png"):
         files.append("scaling.png")
         lines += ["", "![TPOT against weight bytes](scaling.png)"]
     return "\n".join(lines), files
 
 
-def png(table: list[dict], path: Path) -> bool:
+def png(table: list[dict], lines: dict[tuple[str, str], tuple[float, float, int]], path: Path) -> bool:
     """TPOT against weight GB: a colour per engine, a marker and a fitted line
-    per scheme; emulated points hollow; the largest model's points named.
-    False when there is nothing to draw."""
+    per scheme (``lines``: :func:`fits` of the table); emulated points hollow;
+    the largest model's points named. False when there is nothing to draw."""
     if not table:
         return False
     import matplotlib
@@ -109,7 +110,6 @@ def png(table: list[dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    lines = fits(table)
     schemes = list(dict.fromkeys(r["scheme"] for r in table))
     biggest = max(r["params"] for r in table)
     for i, engine in enumerate(dict.fromkeys(r["engine"] for r in table)):

@@ -15,6 +15,7 @@ quantlab's dependencies.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -30,6 +31,12 @@ def declared() -> dict[str, type]:
     """Target name -> config dataclass of every ``quantlab.targets`` entry
     point, without loading a target (no torch); a config whose ``name``
     default differs from its entry point's name is refused."""
+    return dict(_declared())
+
+
+@functools.cache
+def _declared() -> dict[str, type]:
+    """The entry points, read once per process (as the schemes' are)."""
     from quantlab import plugins
 
     found = plugins.load(plugins.TARGETS)
