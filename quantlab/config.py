@@ -9,10 +9,11 @@ Polymorphic slots (the weight scheme, the KV scheme, the target) are typed
 (``- _float``), and ``OmegaConf.to_object`` turns the node into that dataclass.
 The pipeline then dispatches on the dataclass *type* (see ``schemes/registry``).
 
-A string field with a fixed set of values declares it once, as
-``metadata={"choices": (...)}``; :func:`validate` (every field) and
-:func:`check_choice` (one field, for code given a raw value) are the only
-places that check it. This module imports nothing else of quantlab but the
+Every config (the run's nodes here, each scheme's and target's, a plugin's)
+is checked one way: a field declares its valid values in its ``metadata``
+(``choices``, ``min``, ``max``, ``above``, ``rule``), a ``check(path)``
+method holds the rules across fields, and :func:`validate` runs both;
+:func:`check_choice` is the same refusal for code given a raw value. This module imports nothing else of quantlab but the
 table of named shapes (:mod:`quantlab.shapes`, plain data): Hydra's
 ConfigStore and the dict round trip, which need every scheme and target, are
 :mod:`quantlab.compose`.
@@ -83,6 +84,10 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     shape: ShapeModelConfig = field(default_factory=ShapeModelConfig)
 
+    def check(self, path: str) -> None:
+        if self.source in ("hf", "gguf"):
+            _validate_model_path(self)
+
 
 @dataclass
 class SchemeConfig:
@@ -125,6 +130,10 @@ class LatencyProbeConfig:
     # mark a timing contended when other processes used more than this many cores on average meanwhile
     contention_warn: float = field(default=0.25, metadata={"min": 0})
 
+    def check(self, path: str) -> None:
+        if self.max_repeats < self.repeats:
+            raise ValueError(f"{path}max_repeats={self.max_repeats}: must be >= {path}repeats ({self.repeats})")
+
 
 @dataclass
 class FidelityProbeConfig:
@@ -146,6 +155,11 @@ class FidelityProbeConfig:
     topk: int = field(default=20, metadata={"min": 1})  # engines that return only their top k (vllm)
     parity: bool = True
     parity_tokens: int = field(default=32, metadata={"min": 1})
+
+    def check(self, path: str) -> None:
+        if self.tokens // self.windows < 2:
+            raise ValueError(f"{path}tokens={self.tokens} over {path}windows={self.windows}: each window needs >= 2 "
+                             f"tokens")
 
 
 @dataclass
@@ -169,6 +183,13 @@ class AccuracyProbeConfig:
     adaptive_chunk: int = field(default=25, metadata={"min": 1})
     adaptive_budgets: list[float] = field(default_factory=lambda: [0.01, 0.05], metadata={"above": 0})
     adaptive_alpha: float = field(default=0.005, metadata={"above": 0})
+
+    def check(self, path: str) -> None:
+        check_adaptive(self, path)
+        if self.adaptive and (odd := [t for t in self.tasks if t not in ADAPTIVE_TASKS]):
+            raise ValueError(f"{path}adaptive=true (or probe.adaptive=true): {', '.join(odd)} cannot be scored "
+                             f"adaptively (its per-document values are not 0/1 scores); adaptive tasks: "
+                             f"{', '.join(ADAPTIVE_TASKS)}")
 
 
 # tasks whose per-document metrics are 0/1 scores (adaptive accuracy needs them)
@@ -198,6 +219,9 @@ class PerplexityProbeConfig:
     adaptive_budgets: list[float] = field(default_factory=lambda: [0.01, 0.05], metadata={"above": 0})
     # 5 % shared by up to 10 points (Holm's strictest step): a point stopped as within a budget qualifies there
     adaptive_alpha: float = field(default=0.005, metadata={"above": 0})
+
+    def check(self, path: str) -> None:
+        check_adaptive(self, path)
 
 
 @dataclass
@@ -230,6 +254,11 @@ class KVPositionProbeConfig:
     chunk: int = field(default=64, metadata={"min": 1})
     buckets: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 8192])
     tolerance: float = field(default=0.01, metadata={"above": 0})
+
+    def check(self, path: str) -> None:
+        if self.chunk >= self.length - 1:
+            raise ValueError(f"{path}chunk={self.chunk}: must be below {path}length - 1 ({self.length - 1}): the "
+                             f"first chunk is prefilled, the positions after it are measured")
 
 
 @dataclass
@@ -284,6 +313,22 @@ class LoadProbeConfig:
     kv_max_batch: int = field(default=32, metadata={"min": 1})
     lateness_check_rps: float = field(default=50.0, metadata={"above": 0})
 
+    def check(self, path: str) -> None:
+        rates = self.rates
+        if rates != "auto" and (not isinstance(rates, list) or not rates
+                                or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0
+                                           for r in rates)):
+            raise ValueError(f"{path}rates={rates}: must be auto or a list of request rates > 0 (requests/s)")
+        if self.prompt_tokens_min > self.prompt_tokens:
+            raise ValueError(f"{path}prompt_tokens_min={self.prompt_tokens_min}: must be <= {path}prompt_tokens "
+                             f"({self.prompt_tokens})")
+        if self.new_tokens_min is not None and self.new_tokens_min > self.new_tokens:
+            raise ValueError(f"{path}new_tokens_min={self.new_tokens_min}: must be <= {path}new_tokens "
+                             f"({self.new_tokens})")
+        if self.enabled and self.goodput and (self.slo.ttft_ms is None or self.slo.tpot_ms is None):
+            raise ValueError(f"{path}goodput=true needs {path}slo.ttft_ms and {path}slo.tpot_ms "
+                             f"(or {path}goodput=false)")
+
 
 @dataclass
 class ProbeConfig:
@@ -337,6 +382,11 @@ class TrackingConfig:
     serve: Optional[str] = None
     serve_backend: Optional[str] = None
 
+    def check(self, path: str) -> None:
+        _validate_driver(self.uri, f"{path}uri")
+        if self.serve_backend:
+            _validate_driver(self.serve_backend, f"{path}serve_backend")
+
 
 @dataclass
 class DecisionConfig:
@@ -350,6 +400,10 @@ class DecisionConfig:
     metric: str = "auto"
     budgets: list[float] = field(default_factory=lambda: [0.01, 0.05], metadata={"above": 0})
     alpha: float = field(default=0.05, metadata={"above": 0})
+
+    def check(self, path: str) -> None:
+        if not self.alpha < 1:
+            raise ValueError(f"{path}alpha={self.alpha}: an error rate, below 1")
 
 
 @dataclass
@@ -370,6 +424,18 @@ class RunConfig:
     force: bool = False  # re-run points that already have a finished run
     isolation: str = field(default="none", metadata={"choices": ("none", "process")})  # process: a fresh
     # process per point
+
+    def check(self, path: str) -> None:
+        """Across nodes, after each node's own ranges (a context below its
+        minimum says that first)."""
+        if self.model.source == "shape" and (on := accuracy_probes(self.probe)):
+            raise ValueError(f"model.source=shape has random weights: {', '.join(on)} would measure nothing; use "
+                             f"probe=latency (or set probe.<name>.enabled=false)")
+        if name := getattr(self.target, "CONTEXT_FIELD", None):
+            need, asked = probe_context(self.probe)
+            if need > (ctx := getattr(self.target, name)):
+                raise ValueError(f"{asked} needs {need} tokens of context; target.{name}={ctx} holds fewer: "
+                                 f"raise target.{name} or shorten the probe")
 
 
 MODEL_PATH_HINT = "model=hf and model=gguf need model.path=<hub id, local directory or .gguf file>"
@@ -402,60 +468,59 @@ def _validate_model_path(cfg: ModelConfig) -> None:
 
 
 def validate(cfg: Any, path: str = "") -> None:
-    """Check every field's range (``metadata`` ``min`` / ``above``; for a list,
-    each element) and the fields a choice requires, on the typed config
-    ``OmegaConf.to_object`` made. Raises ``ValueError`` with one line naming
-    the field, its value and the valid range."""
-    if isinstance(cfg, ModelConfig) and cfg.source in ("hf", "gguf"):
-        _validate_model_path(cfg)
-    if isinstance(cfg, LoadProbeConfig):
-        _validate_load(cfg, path)
-    if isinstance(cfg, TrackingConfig):
-        _validate_driver(cfg.uri, f"{path}uri")
-        if cfg.serve_backend:
-            _validate_driver(cfg.serve_backend, f"{path}serve_backend")
-    if isinstance(cfg, (PerplexityProbeConfig, AccuracyProbeConfig)) and not (
-            cfg.adaptive_alpha < 1 and all(b < 1 for b in cfg.adaptive_budgets)):
+    """The one check of every config, quantlab's and a plugin's: each field
+    against the rules its ``metadata`` declares (``choices``; ``min``,
+    ``max``, ``above`` for numbers; ``rule``: ``(predicate, description)``;
+    ``note``: said after the valid range; a list's rules hold for each
+    element), nested configs under ``path.``, then the config's own
+    ``check(path)`` for rules across fields. Raises ``ValueError`` with one
+    line naming the field, its value and what would be valid: as
+    ``path.field=value: ...`` for a node of the run config, as
+    ``<LABEL> field value; valid: ...`` for a config that declares a
+    ``LABEL`` (schemes, which check themselves when constructed)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            validate(value, f"{path}{f.name}.")
+            continue
+        for v in (value if isinstance(value, list) else [value]):
+            if (valid := _outside(f.metadata, v)) is None:
+                continue
+            if label := getattr(type(cfg), "LABEL", ""):
+                raise ValueError(f"{label} {f.name} {v!r}; valid: {valid}")
+            if "choices" in f.metadata:
+                check_choice(f"{path}{f.name}", v, f.metadata["choices"], element=isinstance(value, list))
+            raise ValueError(f"{path}{f.name}={value}: must be {valid}")
+    if (check := getattr(cfg, "check", None)) is not None:
+        check(path)
+
+
+def _outside(rules: Any, v: Any) -> str | None:
+    """The valid values ``v`` falls outside of, in words, or None when it is
+    valid (None is: an optional field left unset)."""
+    if v is None:
+        return None
+    note = f" ({rules['note']})" if "note" in rules else ""
+    if "choices" in rules and v not in rules["choices"]:
+        return ", ".join(map(str, rules["choices"])) + note
+    if isinstance(v, (int, float)):
+        lo, hi = rules.get("min"), rules.get("max")
+        if lo is not None and hi is not None and not lo <= v <= hi:
+            return f"{lo}..{hi}{note}"
+        if lo is not None and v < lo:
+            return f">= {lo}{note}"
+        if "above" in rules and v <= rules["above"]:
+            return f"> {rules['above']}{note}"
+    if "rule" in rules and not rules["rule"][0](v):
+        return rules["rule"][1] + note
+    return None
+
+
+def check_adaptive(cfg: PerplexityProbeConfig | AccuracyProbeConfig, path: str) -> None:
+    """An adaptive probe's error rate and budgets are fractions."""
+    if not (cfg.adaptive_alpha < 1 and all(b < 1 for b in cfg.adaptive_budgets)):
         raise ValueError(f"{path}adaptive_alpha={cfg.adaptive_alpha}, {path}adaptive_budgets={cfg.adaptive_budgets}: "
                          f"an error rate and relative losses, each below 1")
-    if isinstance(cfg, AccuracyProbeConfig) and cfg.adaptive and (
-            odd := [t for t in cfg.tasks if t not in ADAPTIVE_TASKS]):
-        raise ValueError(f"{path}adaptive=true (or probe.adaptive=true): {', '.join(odd)} cannot be scored "
-                         f"adaptively (its per-document values are not 0/1 scores); adaptive tasks: "
-                         f"{', '.join(ADAPTIVE_TASKS)}")
-    if isinstance(cfg, DecisionConfig) and not cfg.alpha < 1:
-        raise ValueError(f"{path}alpha={cfg.alpha}: an error rate, below 1")
-    if isinstance(cfg, FidelityProbeConfig) and cfg.tokens // cfg.windows < 2:
-        raise ValueError(f"{path}tokens={cfg.tokens} over {path}windows={cfg.windows}: each window needs >= 2 "
-                         f"tokens")
-    if isinstance(cfg, KVPositionProbeConfig) and cfg.chunk >= cfg.length - 1:
-        raise ValueError(f"{path}chunk={cfg.chunk}: must be below {path}length - 1 ({cfg.length - 1}): the first "
-                         f"chunk is prefilled, the positions after it are measured")
-    if isinstance(cfg, LatencyProbeConfig) and cfg.max_repeats < cfg.repeats:
-        raise ValueError(f"{path}max_repeats={cfg.max_repeats}: must be >= {path}repeats ({cfg.repeats})")
-    for f in dataclasses.fields(cfg):
-        value, name = getattr(cfg, f.name), f"{path}{f.name}"
-        if dataclasses.is_dataclass(value):
-            validate(value, f"{name}.")
-            continue
-        if "choices" in f.metadata:
-            for v in (value if isinstance(value, list) else [value]):
-                check_choice(name, v, f.metadata["choices"], element=isinstance(value, list))
-        for v in (value if isinstance(value, list) else [value]):
-            if v is None or not isinstance(v, (int, float)):
-                continue
-            if "min" in f.metadata and v < f.metadata["min"]:
-                raise ValueError(f"{name}={value}: must be >= {f.metadata['min']}")
-            if "above" in f.metadata and v <= f.metadata["above"]:
-                raise ValueError(f"{name}={value}: must be > {f.metadata['above']}")
-    if isinstance(cfg, RunConfig) and cfg.model.source == "shape" and (on := accuracy_probes(cfg.probe)):
-        raise ValueError(f"model.source=shape has random weights: {', '.join(on)} would measure nothing; use "
-                         f"probe=latency (or set probe.<name>.enabled=false)")
-    if isinstance(cfg, RunConfig) and (name := getattr(cfg.target, "CONTEXT_FIELD", None)):
-        need, asked = probe_context(cfg.probe)  # after the ranges: a context below its minimum says that first
-        if need > (ctx := getattr(cfg.target, name)):
-            raise ValueError(f"{asked} needs {need} tokens of context; target.{name}={ctx} holds fewer: "
-                             f"raise target.{name} or shorten the probe")
 
 
 ACCURACY_PROBES = ("fidelity", "perplexity", "accuracy", "cache", "kv_position")
@@ -532,20 +597,3 @@ def check_choice(name: str, value: Any, valid: tuple[str, ...], element: bool = 
     if element:
         raise ValueError(f"{name}: unknown {value!r}; valid: {', '.join(valid)}")
     raise ValueError(f"{name}={value!r}: valid: {', '.join(valid)}")
-
-
-def _validate_load(cfg: LoadProbeConfig, path: str) -> None:
-    rates = cfg.rates
-    if rates != "auto" and (not isinstance(rates, list) or not rates
-                            or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0
-                                       for r in rates)):
-        raise ValueError(f"{path}rates={rates}: must be auto or a list of request rates > 0 (requests/s)")
-    if cfg.prompt_tokens_min > cfg.prompt_tokens:
-        raise ValueError(f"{path}prompt_tokens_min={cfg.prompt_tokens_min}: must be <= {path}prompt_tokens "
-                         f"({cfg.prompt_tokens})")
-    if cfg.new_tokens_min is not None and cfg.new_tokens_min > cfg.new_tokens:
-        raise ValueError(f"{path}new_tokens_min={cfg.new_tokens_min}: must be <= {path}new_tokens "
-                         f"({cfg.new_tokens})")
-    if cfg.enabled and cfg.goodput and (cfg.slo.ttft_ms is None or cfg.slo.tpot_ms is None):
-        raise ValueError(f"{path}goodput=true needs {path}slo.ttft_ms and {path}slo.tpot_ms "
-                         f"(or {path}goodput=false)")

@@ -259,3 +259,41 @@ def test_a_users_own_presets_join_through_hydras_search_path(tmp_path):
     assert "bf16@cpu" in said and "loading model mine" in said
     bad = run_cli(["model=mien", *common])
     assert bad.returncode == 2 and "unknown model 'mien'; valid: gguf, hf, mine, shape, smollm2-135m, tiny" in bad.stderr
+
+
+_CONFIG_MODULES = ("quantlab/config.py", "quantlab/schemes/configs.py", "quantlab/targets/configs.py",
+                   "quantlab/schemes/base.py")
+
+
+def test_no_config_checks_itself_by_hand():
+    """One check style: a config declares its valid values in field metadata
+    and its cross-field rules in ``check(path)``; no ``__post_init__`` raises."""
+    import ast
+
+    for rel in _CONFIG_MODULES:
+        for node in ast.walk(ast.parse((REPO / rel).read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "__post_init__":
+                raises = [n.lineno for n in ast.walk(node) if isinstance(n, ast.Raise)]
+                assert not raises, f"{rel}:{raises}: a hand-written check in __post_init__ (declare it in metadata)"
+
+
+def _scheme_fields_with_rules():
+    import dataclasses
+
+    from quantlab.schemes import configs
+
+    for cls in vars(configs).values():
+        if isinstance(cls, type) and issubclass(cls, (WeightScheme, KVScheme)) and cls.__module__ == configs.__name__:
+            for f in dataclasses.fields(cls):
+                if "choices" in f.metadata or "min" in f.metadata or "rule" in f.metadata:
+                    yield pytest.param(cls, f, id=f"{cls.__name__}.{f.name}")
+
+
+@pytest.mark.parametrize("cls,f", list(_scheme_fields_with_rules()))
+def test_a_scheme_refuses_a_bad_value_when_built_in_python_as_when_composed(cls, f):
+    """Every declared rule of every scheme field refuses, naming the scheme's
+    LABEL, the field and the value, at construction (no compose needed)."""
+    bad = "bogus" if isinstance(f.default, str) else -7
+    with pytest.raises(ValueError, match=rf"^{cls.LABEL} {f.name} {bad!r}; valid: "):
+        cls(**{f.name: bad})
+    cls()  # the defaults are valid

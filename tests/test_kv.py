@@ -91,7 +91,7 @@ def test_int4_kivi_windows_hold_for_any_token_counts(chunks, g, residual):
 
 
 def test_int4_kv_rejects_what_it_cannot_group():
-    with pytest.raises(ValueError, match="group_size must be even"):
+    with pytest.raises(ValueError, match="int4 kv group_size 3; valid: even, >= 2"):
         Int4KV(group_size=3)
     with pytest.raises(ValueError, match="head_dim 16 is not a multiple of group_size 32"):
         Int4Layer(group_size=32, residual_length=4).update(_kv(t=3), _kv(t=3))

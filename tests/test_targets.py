@@ -150,10 +150,10 @@ def test_nf4_under_compile_is_skipped_with_the_reason(tmp_path):
 
 
 @pytest.mark.parametrize("cfg,match", [
-    (dict(compile=True, compile_mode="turbo"), "cpu: unknown compile_mode 'turbo'; valid: default, "
+    (dict(compile=True, compile_mode="turbo"), "target.compile_mode='turbo': valid: default, "
                                                 "max-autotune-no-cudagraphs"),
-    (dict(compile=True, compile_mode="reduce-overhead"), "cpu: unknown compile_mode 'reduce-overhead'"),
-    (dict(static_cache=-1), "static_cache must be >= 0"),
+    (dict(compile=True, compile_mode="reduce-overhead"), "target.compile_mode='reduce-overhead': valid: "),
+    (dict(static_cache=-1), r"target.static_cache=-1: must be >= 0 \(0: dynamic cache\)"),
 ])
 def test_bad_cpu_target_options_are_one_line(cfg, match):
     from quantlab.targets.cpu import CPUTargetConfig

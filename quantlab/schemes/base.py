@@ -1,11 +1,16 @@
 """Base classes of scheme configs: a dataclass whose fields are the whole public
 surface of a scheme; it round-trips to a plain dict (MLflow params, export
-manifests) with its type name."""
+manifests) with its type name. A scheme's fields declare their valid values
+in ``metadata`` (:func:`quantlab.config.validate` reads them, as it does every
+config's), checked when the config is constructed: in Python as on the command
+line, a bad value is one line naming the scheme (``LABEL``), field and value."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from quantlab.config import validate
 
 
 @dataclass
@@ -13,6 +18,10 @@ class _Scheme:
     # the module whose import registers this config's handler (registry.register_weights /
     # register_kv); imported the first time a config of this type is applied
     HANDLER: ClassVar[str] = ""
+    LABEL: ClassVar[str] = "scheme"  # how a refusal names it: "int4 group_size 48; valid: ..."
+
+    def __post_init__(self) -> None:
+        validate(self)
 
     def short_name(self) -> str:
         raise NotImplementedError

@@ -77,11 +77,8 @@ def read_recipe(recipe: str, default: str) -> tuple[str, str, dict[str, str]]:
 @dataclass
 class FloatScheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.float"
-    dtype: str = "bfloat16"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _SHORT:
-            raise ValueError(f"float scheme dtype {self.dtype!r}; valid: {', '.join(_SHORT)}")
+    LABEL: ClassVar[str] = "float scheme"
+    dtype: str = field(default="bfloat16", metadata={"choices": tuple(_SHORT)})
 
     def short_name(self) -> str:
         return _SHORT[self.dtype]
@@ -90,6 +87,7 @@ class FloatScheme(WeightScheme):
 @dataclass
 class Int8Scheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.int8"
+    LABEL: ClassVar[str] = "int8"
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
 
@@ -100,14 +98,11 @@ class Int8Scheme(WeightScheme):
 @dataclass
 class Int4Scheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.int4"
-    group_size: int = 64
+    LABEL: ClassVar[str] = "int4"
+    group_size: int = field(default=64, metadata={"choices": GROUP_SIZES})
     symmetric: bool = False
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"int4 group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
 
     def short_name(self) -> str:
         return f"int4-g{self.group_size}{'-sym' if self.symmetric else ''}"
@@ -116,16 +111,12 @@ class Int4Scheme(WeightScheme):
 @dataclass
 class FP8Scheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.fp8"
-    format: str = "e4m3"
-    activations: str = "none"  # none: weight-only; dynamic: W8A8, per-token scales
+    LABEL: ClassVar[str] = "fp8"
+    format: str = field(default="e4m3", metadata={"choices": FP8_FORMATS})
+    # none: weight-only; dynamic: W8A8, per-token scales
+    activations: str = field(default="none", metadata={"choices": FP8_ACTIVATIONS})
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.format not in FP8_FORMATS:
-            raise ValueError(f"fp8 format {self.format!r}; valid: {', '.join(FP8_FORMATS)}")
-        if self.activations not in FP8_ACTIVATIONS:
-            raise ValueError(f"fp8 activations {self.activations!r}; valid: {', '.join(FP8_ACTIVATIONS)}")
 
     def short_name(self) -> str:
         """The preset's name: ``fp8-e4m3``, ``fp8-e5m2``, ``fp8-w8a8`` (E4M3 W8A8)."""
@@ -137,14 +128,11 @@ class FP8Scheme(WeightScheme):
 @dataclass
 class BnB4Scheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.bnb4"
-    quant_type: str = "nf4"
+    LABEL: ClassVar[str] = "bnb"
+    quant_type: str = field(default="nf4", metadata={"choices": BNB4_QUANT_TYPES})
     block_size: int = 64
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.quant_type not in BNB4_QUANT_TYPES:
-            raise ValueError(f"bnb quant_type {self.quant_type!r}; valid: {', '.join(BNB4_QUANT_TYPES)}")
 
     def short_name(self) -> str:
         return self.quant_type if self.block_size == 64 else f"{self.quant_type}-b{self.block_size}"
@@ -153,7 +141,8 @@ class BnB4Scheme(WeightScheme):
 @dataclass
 class GPTQScheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.gptq"
-    bits: int = 4
+    LABEL: ClassVar[str] = "gptq"
+    bits: int = field(default=4, metadata={"choices": (3, 4, 8)})
     group_size: int = 64
     symmetric: bool = False
     act_order: bool = False
@@ -164,10 +153,6 @@ class GPTQScheme(WeightScheme):
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
 
-    def __post_init__(self) -> None:
-        if self.bits not in (3, 4, 8):
-            raise ValueError(f"gptq bits {self.bits}; valid: 3, 4, 8")
-
     def short_name(self) -> str:
         """The preset's name (``gptq-g64``); other bit widths carry theirs (``gptq3-g64``)."""
         bits = "" if self.bits == 4 else str(self.bits)
@@ -177,20 +162,16 @@ class GPTQScheme(WeightScheme):
 @dataclass
 class AWQScheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.awq"
-    group_size: int = 32
+    LABEL: ClassVar[str] = "awq"
+    group_size: int = field(default=32, metadata={"choices": GROUP_SIZES})
     symmetric: bool = False
-    grid: int = AWQ_GRID  # alpha in {0, 1/grid, ..., 1}; alpha = 0 is plain RTN
+    # alpha in {0, 1/grid, ..., 1}; alpha = 0 is plain RTN
+    grid: int = field(default=AWQ_GRID, metadata={"min": 0, "note": "0: plain round-to-nearest"})
     calibration: str = "wiki"
     n_samples: int = 16
     seq_len: int = 512
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"awq group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
-        if self.grid < 0:
-            raise ValueError(f"awq grid {self.grid}; valid: >= 0 (0: plain round-to-nearest)")
 
     def short_name(self) -> str:
         return f"awq-g{self.group_size}{'-sym' if self.symmetric else ''}"
@@ -199,16 +180,11 @@ class AWQScheme(WeightScheme):
 @dataclass
 class HQQScheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.hqq"
-    nbits: int = 4
-    group_size: int = 64
+    LABEL: ClassVar[str] = "hqq"
+    nbits: int = field(default=4, metadata={"choices": HQQ_BITS})
+    group_size: int = field(default=64, metadata={"choices": GROUP_SIZES})
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if self.nbits not in HQQ_BITS:
-            raise ValueError(f"hqq nbits {self.nbits}; valid: {', '.join(map(str, HQQ_BITS))}")
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"hqq group_size {self.group_size}; valid: {', '.join(map(str, GROUP_SIZES))}")
 
     def short_name(self) -> str:
         return f"hqq{self.nbits}-g{self.group_size}"
@@ -217,23 +193,20 @@ class HQQScheme(WeightScheme):
 @dataclass
 class W8A8Scheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.smoothquant"
+    LABEL: ClassVar[str] = "w8a8"
     smooth: bool = True  # false: naive W8A8, the reference SmoothQuant is measured against
-    alpha: float = 0.5  # migration strength (0: none, 1: all onto the weights)
-    grid: int = 0  # > 0: alpha per layer group, searched in {0, 1/grid, ..., 1}; alpha is then unused
-    rotate_down: int = 0  # > 0: online block-Hadamard of this size (a power of two) on down_proj's input
+    # migration strength (0: none, 1: all onto the weights)
+    alpha: float = field(default=0.5, metadata={"min": 0, "max": 1})
+    # > 0: alpha per layer group, searched in {0, 1/grid, ..., 1}; alpha is then unused
+    grid: int = field(default=0, metadata={"min": 0, "note": "0: the one alpha"})
+    # > 0: online block-Hadamard of this size (a power of two) on down_proj's input
+    rotate_down: int = field(default=0, metadata={"rule": (lambda n: n >= 0 and not n & (n - 1),
+                                                           "0 (none) or a power of two")})
     calibration: str = "wiki"
     n_samples: int = 16
     seq_len: int = 512
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"w8a8 alpha {self.alpha}; valid: 0..1")
-        if self.grid < 0:
-            raise ValueError(f"w8a8 grid {self.grid}; valid: >= 0 (0: the one alpha)")
-        if self.rotate_down < 0 or self.rotate_down & (self.rotate_down - 1):
-            raise ValueError(f"w8a8 rotate_down {self.rotate_down}; valid: 0 (none) or a power of two")
 
     def short_name(self) -> str:
         """``w8a8``, ``w8a8-sq`` (the preset's alpha 0.5), ``w8a8-sq-a0.75`` (any
@@ -251,6 +224,7 @@ class W8A8Scheme(WeightScheme):
 @dataclass
 class MixedScheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.mixed"
+    LABEL: ClassVar[str] = "mixed"
     recipe: str = ""  # a recipe YAML; its name/default/layers replace the fields below
     name: str = "custom"
     default: str = "int4-g64"
@@ -266,8 +240,10 @@ class MixedScheme(WeightScheme):
         if self.recipe:
             self.name, self.default, self.layers = read_recipe(self.recipe, self.default)
             self.recipe = ""  # the assignment is now in the config itself
-        bad = sorted({c for c in (self.default, *self.layers.values()) if not valid_candidate(c)})
-        if bad:
+        super().__post_init__()
+
+    def check(self, path: str) -> None:
+        if bad := sorted({c for c in (self.default, *self.layers.values()) if not valid_candidate(c)}):
             raise ValueError(f"mixed recipe candidates {bad}; valid: {CANDIDATES}")
 
     def short_name(self) -> str:
@@ -286,11 +262,9 @@ class NoKV(KVScheme):
 @dataclass
 class Int8KV(KVScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.kv"
-    scales: str = "static"  # static: per head from the prefill; dynamic: per head and token
-
-    def __post_init__(self) -> None:
-        if self.scales not in ("static", "dynamic"):
-            raise ValueError(f"int8 kv scales {self.scales!r}; valid: static, dynamic")
+    LABEL: ClassVar[str] = "int8 kv"
+    # static: per head from the prefill; dynamic: per head and token
+    scales: str = field(default="static", metadata={"choices": ("static", "dynamic")})
 
     def short_name(self) -> str:
         return "kv8" if self.scales == "static" else "kv8-dyn"
@@ -299,14 +273,9 @@ class Int8KV(KVScheme):
 @dataclass
 class Int4KV(KVScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.kv"
-    group_size: int = 32
-    residual_length: int = 128
-
-    def __post_init__(self) -> None:
-        if self.group_size < 2 or self.group_size % 2:
-            raise ValueError(f"int4 kv group_size must be even and >= 2, got {self.group_size}")
-        if self.residual_length < 0:
-            raise ValueError(f"int4 kv residual_length must be >= 0, got {self.residual_length}")
+    LABEL: ClassVar[str] = "int4 kv"
+    group_size: int = field(default=32, metadata={"rule": (lambda g: g >= 2 and g % 2 == 0, "even, >= 2")})
+    residual_length: int = field(default=128, metadata={"min": 0})
 
     def short_name(self) -> str:
         return f"kv4-g{self.group_size}"

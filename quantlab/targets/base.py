@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 from transformers import StaticCache
 
-from quantlab.config import choices
+from quantlab.config import validate
 from quantlab.engines.base import Engine
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
@@ -46,6 +46,12 @@ class Target(abc.ABC):
     serves_export = False  # the engine runs a file written from the point (fidelity adds parity/*)
 
     def __init__(self, cfg: Any):
+        """``cfg`` checked as at compose time (a config built in Python too):
+        ``UserError`` in one line."""
+        try:
+            validate(cfg, "target.")
+        except ValueError as e:
+            raise UserError(str(e)) from None
         self.cfg = cfg
 
     @abc.abstractmethod
@@ -80,13 +86,6 @@ class Target(abc.ABC):
 
 class LocalTarget(Target):
     """cpu and cuda: eager or ``torch.compile``, optionally a ``StaticCache``."""
-
-    def __init__(self, cfg: Any):
-        super().__init__(cfg)
-        if cfg.compile_mode not in (modes := choices(type(cfg), "compile_mode")):
-            raise UserError(f"{self.name}: unknown compile_mode {cfg.compile_mode!r}; valid: {', '.join(modes)}")
-        if cfg.static_cache < 0:
-            raise UserError(f"{self.name}: static_cache must be >= 0 (0: dynamic cache), got {cfg.static_cache}")
 
     @property
     @abc.abstractmethod

@@ -25,7 +25,7 @@ class CPUTargetConfig(TargetConfig):
     threads: Optional[int] = field(default=None, metadata={"min": 1})  # None: leave torch's default (all cores)
     compile: bool = False
     compile_mode: str = field(default="default", metadata={"choices": ("default", "max-autotune-no-cudagraphs")})
-    static_cache: int = 0
+    static_cache: int = field(default=0, metadata={"min": 0, "note": "0: dynamic cache"})
 
 
 @dataclass
@@ -39,7 +39,12 @@ class CUDATargetConfig(TargetConfig):
     compile: bool = False
     compile_mode: str = field(default="default", metadata={"choices": (
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")})
-    static_cache: int = 0
+    static_cache: int = field(default=0, metadata={"min": 0, "note": "0: dynamic cache"})
+
+    def check(self, path: str) -> None:
+        if self.compile and self.compile_mode in ("reduce-overhead", "max-autotune") and not self.static_cache:
+            raise ValueError(f"cuda: compile_mode={self.compile_mode} captures CUDA graphs, which replay fixed "
+                             f"shapes: set {path}static_cache (e.g. 1024) so the KV cache does not grow")
 
 
 @dataclass

@@ -7,7 +7,6 @@ import torch
 
 from quantlab import hardware
 from quantlab.targets.configs import CUDATargetConfig
-from quantlab.errors import UserError
 from quantlab.targets import register
 from quantlab.targets.base import LocalTarget
 
@@ -15,12 +14,6 @@ from quantlab.targets.base import LocalTarget
 class CUDATarget(LocalTarget):
     name = "cuda"
     cfg: CUDATargetConfig
-
-    def __init__(self, cfg: CUDATargetConfig):
-        super().__init__(cfg)
-        if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune") and not cfg.static_cache:
-            raise UserError(f"cuda: compile_mode={cfg.compile_mode} captures CUDA graphs, which replay fixed "
-                            "shapes: set target.static_cache (e.g. 1024) so the KV cache does not grow")
 
     def hardware(self):
         return hardware.cuda(self.cfg.device)
