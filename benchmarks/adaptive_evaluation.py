@@ -54,15 +54,13 @@ def sweep(name: str, args, uri: str, root: str, adaptive: bool) -> float:
     return time.perf_counter() - t
 
 
-def summary(client, exp: str, name: str, tasks: list[str]):
+def summary(tracker: tracking.Tracker, name: str, tasks: list[str]):
     """The sweep's perplexity metric, its real points per decision metric, and
     per point the windows and documents (per task) it scored and why it stopped."""
-    parent = point.find_sweep([(r.info.run_id, dict(r.data.tags)) for r in client.search_runs(
-        [exp], filter_string=f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'")], name)[0]
-    runs, reused = tracking.sweep_runs(client, exp, parent)
+    runs, reused = tracker.sweep_runs(tracker.find_sweep(name))
     runs += reused
     base = report.baseline_run(runs)
-    items = {r.info.run_id: tracking.load_items(client, tracking.origin(r)) for r in runs if tracking.done(r)}
+    items = {r.info.run_id: tracker.items(tracking.origin(r)) for r in runs if tracking.done(r)}
     metric = report.decision_metric(runs)
     pts = {m: report.points(runs, m, "lat/tpot_ms_p50", base, items)
            for m in [metric, *(f"acc_norm/{t}" for t in tasks)]}
@@ -101,8 +99,8 @@ def main() -> None:
     uri, root = f"sqlite:///{store}/mlflow.db", str(store / "artifacts")
     secs = {d: 0.0 if args.report_only else sweep(f"eval-{d}", args, uri, root, d == "adaptive")
             for d in ("fixed", "adaptive")}
-    client, exp = tracking.connect(TrackingConfig(uri=uri, artifact_root=root, experiment="quantlab"))
-    res = {d: summary(client, exp, f"eval-{d}", tasks) for d in ("fixed", "adaptive")}
+    tracker = tracking.connect(TrackingConfig(uri=uri, artifact_root=root, experiment="quantlab"))
+    res = {d: summary(tracker, f"eval-{d}", tasks) for d in ("fixed", "adaptive")}
     print(f"cap {args.cap} windows of {args.window} tokens, chunk {args.chunk}; {args.limit} documents of "
           f"{', '.join(tasks) or 'no task'}, chunk {args.doc_chunk}; stop alpha {args.alpha}; store {store}")
     print(f"{'point':24} {'windows fixed/adaptive':>23} {'documents fixed/adaptive':>25}  why it stopped")

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from quantlab import point, report, tracking
+from quantlab import report, tracking
 from quantlab.config import TrackingConfig
 from quantlab.uncertainty import block_stderr, mean_stderr
 
@@ -27,17 +27,15 @@ def main() -> None:
     ap.add_argument("--sweep", required=True, help="the sweep's name (its newest parent run)")
     args = ap.parse_args()
     uri = f"sqlite:///{args.store}/mlflow.db"
-    client, exp = tracking.connect(TrackingConfig(uri=uri, artifact_root=f"{args.store}/artifacts"))
-    parent = point.find_sweep([(r.info.run_id, dict(r.data.tags)) for r in client.search_runs(
-        [exp], filter_string=f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'")], args.sweep)[0]
-    runs, reused = tracking.sweep_runs(client, exp, parent)
+    tracker = tracking.connect(TrackingConfig(uri=uri, artifact_root=f"{args.store}/artifacts"))
+    runs, reused = tracker.sweep_runs(tracker.find_sweep(args.sweep))
     runs = [r for r in runs + reused if tracking.done(r)]
     base = report.baseline_run(runs)
     metric = report.decision_metric(runs)
     if not metric.startswith("ppl_token_"):
         raise SystemExit(f"sweep {args.sweep} has no token perplexity (decision metric {metric})")
     windows = int(base.data.metrics[f"{metric}_windows"])
-    ref = np.asarray(tracking.load_items(client, tracking.origin(base))[metric])
+    ref = np.asarray(tracker.items(tracking.origin(base))[metric])
     per = ref.size // windows
     print(f"{metric}: {windows} windows of {per} predicted tokens; baseline {base.info.run_name}")
     print(f"{'point':22} {'ln PPL ratio':>12} {'se blocks':>10} {'se windows':>11} {'ratio':>6}")
@@ -45,7 +43,7 @@ def main() -> None:
     for r in runs:
         if r.info.run_id == base.info.run_id:
             continue
-        nll = np.asarray(tracking.load_items(client, tracking.origin(r)).get(metric, []))
+        nll = np.asarray(tracker.items(tracking.origin(r)).get(metric, []))
         if nll.size != ref.size:
             continue
         d = nll - ref

@@ -33,8 +33,8 @@ from pathlib import Path
 from quantlab import tracking, tracking_server
 from quantlab.config import TrackingConfig
 
-PARAMS, TAGS, METRICS = 100, 36, 150  # a smoke point on model=tiny: 99 params, 41 tags (5 from start_run), 85 metrics
-WRITES = PARAMS + TAGS + 5 + METRICS + 1  # start_run adds 5 tags (host, pid, ...), end the outcome
+PARAMS, TAGS, METRICS = 100, 36, 150  # a smoke point on model=tiny: 99 params, 41 tags (5 from Tracker.start), 85 metrics
+WRITES = PARAMS + TAGS + 5 + METRICS + 1  # Tracker.start adds 5 tags (host, pid, ...), end the outcome
 CONFIG_BYTES, ITEMS = 2_000, 2_000  # config.yaml, and per-item values (items.json)
 
 
@@ -49,18 +49,18 @@ def log_points(uri: str, n: int, seed: int, go, out) -> None:
     put (start, end, each point's seconds) on ``out``."""
     sys.stdout = open(os.devnull, "w")  # MLflow prints a "View run" line per run ended
     rng = random.Random(seed)
-    client, exp = tracking.connect(TrackingConfig(uri=uri, artifact_root=None, experiment="load"))
+    tracker = tracking.connect(TrackingConfig(uri=uri, artifact_root=None, experiment="load"))
     go.wait()
     start, times = time.time(), []
     for i in range(n):
         t = time.perf_counter()
         tags = {f"tag.{k}": f"v{rng.random():.6f}" for k in range(TAGS)}
         params = {f"param.{k}": f"{rng.random():.6f}" for k in range(PARAMS)}
-        run = tracking.start_run(client, exp, f"w{seed}-p{i}", tags, parent_id="load", params=params)
-        tracking.log_text(client, run, "x" * CONFIG_BYTES, "config.yaml")
-        tracking.log_metrics(client, run, {f"metric/{k}": rng.random() for k in range(METRICS)})
-        tracking.log_text(client, run, json.dumps([rng.random() for _ in range(ITEMS // 20)]), tracking.ITEMS_ARTIFACT)
-        tracking.end(client, run, "finished")
+        run = tracker.start(f"w{seed}-p{i}", tags, parent="load", params=params)
+        run.log_text("x" * CONFIG_BYTES, "config.yaml")
+        run.log_metrics({f"metric/{k}": rng.random() for k in range(METRICS)})
+        run.log_text(json.dumps([rng.random() for _ in range(ITEMS // 20)]), tracking.ITEMS_ARTIFACT)
+        run.end("finished")
         times.append(time.perf_counter() - t)
     out.put((start, time.time(), times))
 

@@ -67,9 +67,9 @@ def results(sweep: str = "latest", *, tracking_uri: str | None = None, experimen
     from quantlab import point, report, tracking
 
     uri = tracking_uri or default_tracking_uri()
-    client, exp = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
-    parent = report.find_parent(client, exp, sweep)
-    runs, reused, tags, base, items = report.sweep_data(client, exp, parent)
+    tracker = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
+    parent = tracker.find_sweep(sweep)
+    runs, reused, tags, base, items = report.sweep_data(tracker, parent)
     said = report.declared(tags)
     metric = report.decision_metric(runs, metric or (said[0] if said else "auto"))
     rows = []

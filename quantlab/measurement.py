@@ -20,7 +20,7 @@ def weight_bytes_read(metrics: dict[str, float]) -> float:
 class Measurement:
     """Metrics, tags and artifacts (name -> content) of one point.
 
-    Probes and the pipeline only add to it; ``tracking.log_measurement`` writes
+    Probes and the pipeline only add to it; ``tracking.Run.log_measurement`` writes
     it to the point's run once, at the end (also when the point failed half-way:
     what was measured before the failure is kept)."""
 

@@ -66,29 +66,29 @@ def run_point(cfg: RunConfig, parent: str | None = None) -> PointResult:
     is not run again unless ``cfg.force``; runs left RUNNING by a dead process
     are marked KILLED first, so they are redone.
     """
-    client, exp_id = _connect(cfg, parent)
+    tracker = _connect(cfg, parent)
     ident, as_dict = identify(cfg)
     name = ident.name
-    for dead in tracking.reap_dead(client, exp_id):
+    for dead in tracker.reap_dead():
         log.warning("run %s was left RUNNING by a dead process: marked KILLED", dead)
     # timings are only reused from this host; accuracy-only points from any
     same_host = provenance.host_id() if cfg.probe.latency.enabled else None
-    if not cfg.force and (done := tracking.find_finished(client, exp_id, ident.hash, same_host)):
+    if not cfg.force and (done := tracker.find_finished(ident.hash, same_host)):
         log.info("[%s] already finished as run %s on host %s: reused (force=true re-runs)", name,
                  done.info.run_id, done.data.tags.get(point.HOST_FINGERPRINT_TAG, "?"))
         if parent:
-            tracking.link_reused(client, exp_id, parent, done, cfg.sweep_name)
+            tracker.link_reused(parent, done, cfg.sweep_name)
         return PointResult(done.info.run_id, name, "reused")
-    run_id = tracking.start_run(client, exp_id, name, provenance.run_tags(cfg, ident), parent_id=parent,
-                                params=provenance.run_params(cfg, ident, as_dict))
-    tracking.log_text(client, run_id, yaml.safe_dump(as_dict, sort_keys=False), "config.yaml")
+    run = tracker.start(name, provenance.run_tags(cfg, ident), parent=parent,
+                        params=provenance.run_params(cfg, ident, as_dict))
+    run.log_text(yaml.safe_dump(as_dict, sort_keys=False), "config.yaml")
     if cfg.isolation == "process":
-        return _run_in_subprocess(cfg, run_id, name, client)
-    return _execute(cfg, run_id, name, client)
+        return _run_in_subprocess(cfg, run, name)
+    return _execute(cfg, run, name)
 
 
-def _connect(cfg: RunConfig, parent: str | None):
-    """The point's tracking client and experiment. A server that stops
+def _connect(cfg: RunConfig, parent: str | None) -> tracking.Tracker:
+    """The point's tracking store. A server that stops
     answering is waited for (:data:`quantlab.tracking.SERVER_WAIT_S`) only
     when it answered before: under a sweep (whose start reached it) or
     earlier in this process; before anything started, an unreachable server
@@ -102,23 +102,21 @@ def record_lost(cfg: RunConfig, reason: str, parent: str | None = None) -> Point
     fail, so nothing on that worker could log it): its RUNNING run under this
     sweep, or a new run when it never started one, ends FAILED with
     ``reason``. A rerun of the sweep redoes it (a failed run is never reused)."""
-    client, exp_id = _connect(cfg, parent)
+    tracker = _connect(cfg, parent)
     ident, as_dict = identify(cfg)
     # RUNNING, or already KILLED by another point's reap_dead (the lost worker ran on this host)
-    run = tracking.find_running(client, exp_id, ident.hash, parent) or (
-        tracking.find_running(client, exp_id, ident.hash, parent, "KILLED") if parent else None)
-    run_id = run.info.run_id if run is not None else tracking.start_run(
-        client, exp_id, ident.name, provenance.run_tags(cfg, ident), parent_id=parent,
-        params=provenance.run_params(cfg, ident, as_dict))
+    found = tracker.find_running(ident.hash, parent) or (
+        tracker.find_running(ident.hash, parent, "KILLED") if parent else None)
+    run = tracker.run(found.info.run_id) if found is not None else tracker.start(
+        ident.name, provenance.run_tags(cfg, ident), parent=parent, params=provenance.run_params(cfg, ident, as_dict))
     log.error("[%s] failed: %s", ident.name, reason)
-    tracking.end(client, run_id, "failed", reason)
-    return PointResult(run_id, ident.name, "failed", reason)
+    run.end("failed", reason)
+    return PointResult(run.id, ident.name, "failed", reason)
 
 
-def _execute(cfg: RunConfig, run_id: str, name: str, client=None) -> PointResult:
+def _execute(cfg: RunConfig, run: tracking.Run, name: str) -> PointResult:
     """Measure, log what was measured (also after a failure) and close the run,
     turning any exception into a FAILED run."""
-    client = client or _connect(cfg, None)[0]
     m = Measurement()
     try:
         with m.timed("point"):
@@ -132,9 +130,9 @@ def _execute(cfg: RunConfig, run_id: str, name: str, client=None) -> PointResult
         log.error("[%s] failed: %s (traceback logged to the run)", name, reason)
     if "size/bits_per_weight" in m.metrics:  # as a param too: the UI's parallel coordinates take params
         m.params["bits_per_weight"] = f"{m.metrics['size/bits_per_weight']:.2f}"
-    tracking.log_measurement(client, run_id, m)
-    tracking.end(client, run_id, outcome, reason)
-    return PointResult(run_id, name, outcome, reason)
+    run.log_measurement(m)
+    run.end(outcome, reason)
+    return PointResult(run.id, name, outcome, reason)
 
 
 def _first_line(e: BaseException) -> str:
@@ -143,26 +141,26 @@ def _first_line(e: BaseException) -> str:
 
 def _child(cfg: RunConfig, run_id: str, name: str) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    _execute(cfg, run_id, name)
+    _execute(cfg, _connect(cfg, None).run(run_id), name)
 
 
-def _run_in_subprocess(cfg: RunConfig, run_id: str, name: str, client) -> PointResult:
+def _run_in_subprocess(cfg: RunConfig, run: tracking.Run, name: str) -> PointResult:
     """Run the point in a fresh (spawned) process: clean memory figures, no
     compiled graphs leaking between points, and a crash (OOM kill, segfault)
     ends only that point's run."""
-    proc = multiprocessing.get_context("spawn").Process(target=_child, args=(cfg, run_id, name))
+    proc = multiprocessing.get_context("spawn").Process(target=_child, args=(cfg, run.id, name))
     proc.start()
     proc.join()
-    run = client.get_run(run_id)
-    if run.info.status == "RUNNING":
+    now = run.get()
+    if now.info.status == "RUNNING":
         code = proc.exitcode
         why = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exit status {code}"
         reason = f"point process died ({why}; out of memory?)"
         log.error("[%s] failed: %s", name, reason)
-        tracking.end(client, run_id, "failed", reason)
-        return PointResult(run_id, name, "failed", reason)
-    outcome = run.data.tags.get(tracking.OUTCOME_TAG, "failed")
-    return PointResult(run_id, name, outcome, run.data.tags.get(tracking.REASON_TAG, ""))
+        run.end("failed", reason)
+        return PointResult(run.id, name, "failed", reason)
+    outcome = now.data.tags.get(tracking.OUTCOME_TAG, "failed")
+    return PointResult(run.id, name, outcome, now.data.tags.get(tracking.REASON_TAG, ""))
 
 
 def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:

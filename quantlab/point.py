@@ -35,7 +35,7 @@ OUTCOME_TAG = "quantlab.outcome"  # finished | skipped | failed | reused | kille
 REASON_TAG = "quantlab.reason"
 REUSED_FROM_TAG = "quantlab.reused_from"  # on a light child run: the run that measured it
 HOST_TAG, PID_TAG, PID_START_TAG = "quantlab.host", "quantlab.pid", "quantlab.pid_start"
-CREATE_KEY_TAG = "quantlab.create_key"  # one per start_run call: finds the twin a retried create made
+CREATE_KEY_TAG = "quantlab.create_key"  # one per Tracker.start call: finds the twin a retried create made
 BASELINE_TAG = "recovery.baseline"  # on the parent: the run name the sweep compared against
 RECOMMENDED_BY_TAG = "recommended.by"  # on the parent: the objective of the budget picks
 # on the parent, written at launch: the decision declared before any point ran (decision.metric/budgets/alpha)

@@ -436,20 +436,20 @@ def post_hoc(runs, declaration, metric: str, budgets, alpha: float) -> dict[floa
     return out
 
 
-def sweep_data(client, experiment_id: str, parent_id: str):
+def sweep_data(tracker: tracking.Tracker, parent_id: str):
     """``(runs, reused, parent_tags, baseline_run, items)`` of one sweep:
     its child runs (the runs it reused last, and also in ``reused``), the
     baseline (the one the sweep named, else :func:`baseline_run`) and each
     finished run's per-item scores (read from the run that measured it)."""
-    runs, reused = tracking.sweep_runs(client, experiment_id, parent_id)
+    runs, reused = tracker.sweep_runs(parent_id)
     runs += reused
-    tags = client.get_run(parent_id).data.tags
+    tags = tracker.get(parent_id).data.tags
     base = next((r for r in runs if r.info.run_name == tags.get(point.BASELINE_TAG)), None) or baseline_run(runs)
-    items = {r.info.run_id: tracking.load_items(client, tracking.origin(r)) for r in runs if tracking.done(r)}
+    items = {r.info.run_id: tracker.items(tracking.origin(r)) for r in runs if tracking.done(r)}
     return runs, reused, tags, base, items
 
 
-def build(client, experiment_id: str, parent_id: str, metric: str | None = None,
+def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
           budgets=None, out_dir: Path | None = None, log_to_run: bool = True,
           by: str = "auto", alpha: float | None = None) -> str:
     """Table + frontier + recommendations (by objective ``by``, see
@@ -459,7 +459,7 @@ def build(client, experiment_id: str, parent_id: str, metric: str | None = None,
     ``metric``, ``budgets``, ``alpha``: None takes what the sweep declared at
     launch (:func:`declared`; else auto, 1 % and 5 %, 0.05); a choice that
     differs is said "post hoc" beside its picks and in a parent tag per budget."""
-    runs, reused, tags, base, items = sweep_data(client, experiment_id, parent_id)
+    runs, reused, tags, base, items = sweep_data(tracker, parent_id)
     said = declared(tags)
     metric = decision_metric(runs, metric or (said[0] if said else "auto"))
     budgets = tuple(budgets or (said[1] if said else DEFAULT_BUDGETS))
@@ -484,7 +484,7 @@ def build(client, experiment_id: str, parent_id: str, metric: str | None = None,
             + (paired_text + "\n\n" if paired_text else "") + f"{text}\n\n"
             + (kv_positions + "\n\n" if kv_positions else "")
             + (times + "\n\n" if times else "") + next_steps(runs, recs, sweep, parent_id, out, log_to_run) + "\n")
-    serving, serving_files = serving_report.section(client, runs, out, f"quantlab sweep {sweep}: load")
+    serving, serving_files = serving_report.section(tracker, runs, out, f"quantlab sweep {sweep}: load")
     if serving:
         body += "\n" + serving + "\n"
     by_size, size_files = scaling.section(runs, out)
@@ -498,20 +498,22 @@ def build(client, experiment_id: str, parent_id: str, metric: str | None = None,
         plots.png(panels, label, out / "pareto.png", title)
         plots.html(panels, label, out / "pareto.html", title)
     if log_to_run:
+        parent = tracker.run(parent_id)
         for f in ("report.md", "pareto.png", "pareto.html", *serving_files, *size_files):
             if (out / f).is_file():
-                client.log_artifact(parent_id, str(out / f))
+                parent.log_files(out / f)
         by_name = {r.info.run_name: r.info.run_id for r in runs}
         for p in panels["size/weight_mb"]:  # the loss as a metric: the UI's charts plot it against latency
-            tracking.log_metrics(client, by_name[p.name], {"decision/loss": p.loss, "decision/loss_upper": p.upper})
-            tracking.set_tags(client, by_name[p.name], {"decision.metric": metric})
-        tracking.set_tags(client, parent_id, {point.RECOMMENDED_BY_TAG: by})
+            child = tracker.run(by_name[p.name])
+            child.log_metrics({"decision/loss": p.loss, "decision/loss_upper": p.upper})
+            child.set_tags({"decision.metric": metric})
+        parent.set_tags({point.RECOMMENDED_BY_TAG: by})
         for b, rec in recs.items():
             if rec.point is not None:
                 name_tag, id_tag = point.recommended_tags(b)
-                tracking.set_tags(client, by_name[rec.point.name], {point.recommended_point_tag(b): "true"})
-                tracking.set_tags(client, parent_id, {name_tag: rec.point.name, id_tag: by_name[rec.point.name],
-                                                      point.post_hoc_tag(b): late.get(b, "no")})
+                tracker.run(by_name[rec.point.name]).set_tags({point.recommended_point_tag(b): "true"})
+                parent.set_tags({name_tag: rec.point.name, id_tag: by_name[rec.point.name],
+                                 point.post_hoc_tag(b): late.get(b, "no")})
     return body
 
 
@@ -531,17 +533,6 @@ def _budget_list(text: str) -> tuple[float, ...]:
     if not out or any(b <= 0 for b in out):
         raise argparse.ArgumentTypeError(f"{text!r}: budgets must be > 0")
     return out
-
-
-def find_parent(client, experiment_id: str, sweep: str) -> str:
-    """The parent run id of ``sweep`` (latest, a sweep name, or a parent run
-    id); UserError listing the sweeps there are when none matches."""
-    runs = client.search_runs([experiment_id], filter_string=f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'",
-                              order_by=["attributes.start_time DESC"], max_results=1000)
-    try:
-        return point.find_sweep([(r.info.run_id, dict(r.data.tags)) for r in runs], sweep)[0]
-    except LookupError as e:
-        raise UserError(str(e)) from None
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m quantlab.report") -> int:
@@ -569,11 +560,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m quantlab.report")
     from quantlab.config import TrackingConfig
 
     try:
-        client, exp = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
-                                                      artifact_root=None))
-        parent = find_parent(client, exp, args.sweep)
+        tracker = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
+                                                  artifact_root=None))
+        parent = tracker.find_sweep(args.sweep)
         # build() checks the objective before it writes anything
-        print(build(client, exp, parent, args.metric, args.budgets, Path(args.out) if args.out else None,
+        print(build(tracker, parent, args.metric, args.budgets, Path(args.out) if args.out else None,
                     not args.no_log, args.objective, args.alpha))
     except UserError as e:
         print(f"quantlab.report: {e}", file=sys.stderr)

@@ -16,8 +16,8 @@ from quantlab import plots, point, tracking, uncertainty
 from quantlab.probes import knee, load
 
 
-def _rows(client, run) -> list[dict]:
-    path = tracking.download_small(client, tracking.origin(run), "load.csv")
+def _rows(tracker: tracking.Tracker, run) -> list[dict]:
+    path = tracker.download(tracking.origin(run), "load.csv")
     return load.read_csv(path.read_text()) if path is not None else []
 
 
@@ -71,10 +71,10 @@ def engine_table(runs) -> str:
         "report's table says why)."])
 
 
-def section(client, runs, out: Path, title: str) -> tuple[str, list[str]]:
+def section(tracker: tracking.Tracker, runs, out: Path, title: str) -> tuple[str, list[str]]:
     """Markdown of the section ('' when no run has a load table) and the plot
     files written into ``out``."""
-    tables = {r.info.run_name: _rows(client, r) for r in runs if tracking.done(r)}
+    tables = {r.info.run_name: _rows(tracker, r) for r in runs if tracking.done(r)}
     tables = {k: v for k, v in tables.items() if v}
     by_name = {r.info.run_name: r for r in runs}
     kv_runs = [r for r in runs if "load/kv_capacity_seqs" in r.data.metrics]

@@ -33,7 +33,7 @@ def _tracking_cfg(config: DictConfig) -> TrackingConfig:
 class SweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         try:
-            client, exp_id = tracking.connect(_tracking_cfg(config))
+            tracker = tracking.connect(_tracking_cfg(config))
         except UserError as e:
             print(f"quantlab: {e}", file=sys.stderr)
             sys.exit(2)
@@ -44,7 +44,8 @@ class SweepCallback(Callback):
         name = f"sweep:{sweep} {time.strftime('%Y-%m-%d %H:%M:%S')}"
         tags = {point.SWEEP_TAG: sweep, point.ROLE_TAG: point.ROLE_SWEEP,
                 "git_commit": tracking.git_commit(), **tracking.versions(), **_declared(config)}
-        parent = tracking.start_run(client, exp_id, name, tags, params=params)
+        run = tracker.start(name, tags, params=params)
+        parent = run.id
         os.environ[point.PARENT_ENV] = parent
         if config.hydra.launcher.get("_target_", "") == RAY_LAUNCHER:  # workers on other nodes inherit nothing
             with open_dict(config):
@@ -53,24 +54,25 @@ class SweepCallback(Callback):
                 env = OmegaConf.to_container(given, resolve=True) if given is not None else {}
                 env.setdefault("env_vars", {})[point.PARENT_ENV] = parent
                 init.runtime_env = env
-        _log_capabilities(client, parent)
+        _log_capabilities(run)
         log.info("sweep %s: parent run %s in %s", sweep, parent, config.tracking.uri)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         parent = os.environ.pop(point.PARENT_ENV, None)
         if parent is None:
             return
-        client, exp_id = tracking.connect(_tracking_cfg(config), tracking.SERVER_WAIT_S)
-        runs, reused = tracking.sweep_runs(client, exp_id, parent)
-        _log_recovery(client, parent, runs, reused, config.get("recovery_baseline", "auto"))
-        text = report.build(client, exp_id, parent)  # reads the runs again, recovery included
+        tracker = tracking.connect(_tracking_cfg(config), tracking.SERVER_WAIT_S)
+        runs, reused = tracker.sweep_runs(parent)
+        _log_recovery(tracker, parent, runs, reused, config.get("recovery_baseline", "auto"))
+        text = report.build(tracker, parent)  # reads the runs again, recovery included
         print("\n" + text, flush=True)
         failed = [r for r in runs if r.data.tags.get(point.OUTCOME_TAG) == "failed"]
         counts = {o: sum(r.data.tags.get(point.OUTCOME_TAG) == o for r in runs)
                   for o in ("finished", "skipped", "failed")}
         counts["reused"] = len(reused)
-        tracking.log_metrics(client, parent, {f"points_{k}": v for k, v in counts.items()})
-        client.set_terminated(parent, "FAILED" if failed else "FINISHED")
+        run = tracker.run(parent)
+        run.log_metrics({f"points_{k}": v for k, v in counts.items()})
+        run.set_status("FAILED" if failed else "FINISHED")
         log.info("sweep done: %s", ", ".join(f"{v} {k}" for k, v in counts.items()))
         if failed:
             sys.exit(1)
@@ -85,7 +87,7 @@ def _declared(config: DictConfig) -> dict[str, str]:
             point.DECLARED_TAGS["alpha"]: f"{float(d.get('alpha', 0.05)):g}"}
 
 
-def _log_recovery(client, parent: str, runs, reused, choice: str) -> None:
+def _log_recovery(tracker: tracking.Tracker, parent: str, runs, reused, choice: str) -> None:
     """Log ``recovery/*`` on this sweep's own finished points against its
     baseline (which may be a reused point). Reused runs keep the recovery of the
     sweep that ran them: the report computes its own against this baseline."""
@@ -93,20 +95,20 @@ def _log_recovery(client, parent: str, runs, reused, choice: str) -> None:
     if base is None:
         log.warning("no baseline point %r finished: recovery not computed", choice)
         return
-    tracking.set_tags(client, parent, {point.BASELINE_TAG: base.info.run_name})
+    tracker.run(parent).set_tags({point.BASELINE_TAG: base.info.run_name})
     for r in runs:
         if r.data.tags.get(point.OUTCOME_TAG) == "finished":
             rec = report.recovery(r.data.metrics, base.data.metrics)
             if rec:
-                tracking.log_metrics(client, r.info.run_id, rec)
+                tracker.run(r.info.run_id).log_metrics(rec)
 
 
-def _log_capabilities(client, parent: str) -> None:
+def _log_capabilities(parent: tracking.Run) -> None:
     """The scheme x target matrix of this environment, on the parent run. In a
     subprocess: Hydra is initialised here and the matrix composes every preset."""
     proc = subprocess.run([sys.executable, "-m", "quantlab.capabilities"], capture_output=True, text=True,
                           timeout=300)
     if proc.returncode == 0:
-        tracking.log_text(client, parent, proc.stdout, "capabilities.md")
+        parent.log_text(proc.stdout, "capabilities.md")
     else:
         log.warning("capability matrix not logged: %s", (proc.stderr.strip().splitlines() or ["?"])[-1])

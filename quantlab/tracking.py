@@ -1,7 +1,11 @@
 """MLflow: one parent run per sweep, one nested child run per point.
 
-Uses ``MlflowClient`` with explicit run ids rather than the fluent API, so
-several points (or processes) never fight over a global "active run".
+:func:`connect` opens a :class:`Tracker` (one store and experiment: start a
+run, find a sweep, a point's earlier runs, the runs a dead process left); a
+:class:`Run` is one run's handle (log, tag, write an artifact, end). Both
+hold an ``MlflowClient`` with explicit run ids rather than the fluent API, so
+several points (or processes) never fight over a global "active run", and no
+other module of quantlab calls the client.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 import psutil
@@ -29,7 +34,8 @@ from quantlab import tracking_server
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
 from quantlab.point import (CREATE_KEY_TAG, HASH_TAG, HOST_ID_TAG, HOST_TAG, OUTCOME_TAG, PARENT_TAG, PID_START_TAG,
-                            PID_TAG, REASON_TAG, REUSED_FROM_TAG, SWEEP_TAG, recommended_point_tag)
+                            PID_TAG, REASON_TAG, REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SWEEP_TAG, find_sweep,
+                            recommended_point_tag)
 
 log = logging.getLogger("quantlab")
 T = TypeVar("T")
@@ -68,8 +74,9 @@ def retry(fn: Callable[..., T]) -> Callable[..., T]:
 
 
 @retry
-def connect(cfg: TrackingConfig, wait_s: float = 0.0) -> tuple[MlflowClient, str]:
-    """Client and experiment id; creates the local store/experiment if needed.
+def connect(cfg: TrackingConfig, wait_s: float = 0.0) -> Tracker:
+    """The store's :class:`Tracker` on experiment ``cfg.experiment``; creates
+    the local store/experiment if needed.
 
     Fails with one line when the store is unusable; a tracking server that
     does not answer is waited for up to ``wait_s`` seconds first (points pass
@@ -91,17 +98,17 @@ def connect(cfg: TrackingConfig, wait_s: float = 0.0) -> tuple[MlflowClient, str
     try:
         exp = client.get_experiment_by_name(cfg.experiment)
         if exp is not None:
-            return client, exp.experiment_id
+            return Tracker(client, exp.experiment_id)
         artifacts = None
         if cfg.artifact_root:
             artifacts = Path(cfg.artifact_root).expanduser().resolve().as_uri()
         try:
-            return client, client.create_experiment(cfg.experiment, artifact_location=artifacts)
+            return Tracker(client, client.create_experiment(cfg.experiment, artifact_location=artifacts))
         except mlflow.exceptions.MlflowException as e:  # two sweeps (or points) on a new store created it at once
             if e.error_code != "RESOURCE_ALREADY_EXISTS" or (exp := client.get_experiment_by_name(
                     cfg.experiment)) is None:
                 raise
-            return client, exp.experiment_id
+            return Tracker(client, exp.experiment_id)
     except mlflow.exceptions.MlflowException as e:
         raise UserError(f"tracking store {uri} unusable: {str(e).splitlines()[0]}") from e
 
@@ -174,123 +181,242 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-@retry
-def start_run(client: MlflowClient, experiment_id: str, name: str, tags: dict[str, str],
-              parent_id: str | None = None, params: dict[str, str] | None = None) -> str:
-    """Create a RUNNING run owned by this process (host/pid tags let a later
-    sweep recognise it as dead after a kill -9).
+@dataclass(frozen=True)
+class Run:
+    """One run's handle: what a point, a sweep or an export writes to it."""
 
-    Exactly one run: MLflow's client retries a request whose answer was lost
-    (a tracking server restarted while it replied), and a retried create makes
-    a second run. The call's own key tag finds such twins; they are deleted."""
-    me = psutil.Process()
-    key = uuid.uuid4().hex
-    tags = {**tags, HOST_TAG: socket.gethostname(), PID_TAG: str(me.pid),
-            PID_START_TAG: tracking_server.process_stamp(me), CREATE_KEY_TAG: key}
-    if parent_id:
-        tags[PARENT_TAG] = parent_id
-    run = client.create_run(experiment_id, run_name=name, tags=tags)
-    for twin in client.search_runs([experiment_id], f"tags.`{CREATE_KEY_TAG}` = '{key}'", max_results=100):
-        if twin.info.run_id != run.info.run_id:
-            log.warning("run %s: a retried create made a twin %s; deleted", run.info.run_id, twin.info.run_id)
-            client.delete_run(twin.info.run_id)
-    items = [Param(k, v) for k, v in (params or {}).items()]
-    for i in range(0, len(items), _BATCH):
-        client.log_batch(run.info.run_id, params=items[i:i + _BATCH])
-    return run.info.run_id
+    tracker: Tracker
+    id: str
+
+    @property
+    def client(self) -> MlflowClient:
+        return self.tracker.client
+
+    def get(self):
+        """The run as MLflow has it now (``info``, ``data.tags``, ``data.metrics``)."""
+        return self.tracker.get(self.id)
+
+    @retry
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        now = get_current_time_millis()
+        items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(self.id, metrics=items[i:i + 1000])
+
+    @retry
+    def log_params(self, params: dict[str, str]) -> None:
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), _BATCH):
+            self.client.log_batch(self.id, params=items[i:i + _BATCH])
+
+    def log_measurement(self, m) -> None:
+        """One point's :class:`~quantlab.measurement.Measurement`: tags, metrics, artifacts."""
+        if m.tags:
+            self.set_tags(m.tags)
+        if getattr(m, "params", None):
+            self.log_params(m.params)
+        if m.metrics:
+            self.log_metrics(m.metrics)
+        for name, text in m.artifacts.items():
+            self.log_text(text, name)
+        if m.items:
+            self.log_text(json.dumps(m.items, separators=(",", ":")), ITEMS_ARTIFACT)
+
+    @retry
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.client.log_batch(self.id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    @retry
+    def log_text(self, text: str | bytes, name: str) -> None:
+        """One artifact ``name`` holding ``text`` (bytes are written as they are: a PNG)."""
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / name
+            if isinstance(text, bytes):
+                path.write_bytes(text)
+            else:
+                path.write_text(text)
+            self.client.log_artifact(self.id, str(path))
+
+    @retry
+    def log_files(self, path: Path, under: str | None = None) -> None:
+        """A file, or a directory's files (under artifact folder ``under``)."""
+        if path.is_dir():
+            self.client.log_artifacts(self.id, str(path), artifact_path=under)
+        else:
+            self.client.log_artifact(self.id, str(path), artifact_path=under)
+
+    @retry
+    def set_status(self, status: str) -> None:
+        """End the run as MLflow's ``FINISHED``, ``FAILED`` or ``KILLED``."""
+        self.client.set_terminated(self.id, status)
+
+    def end(self, outcome: str, reason: str = "") -> None:
+        """Close a point's run. ``skipped`` is FINISHED with the outcome tag (nothing broke)."""
+        tags = {OUTCOME_TAG: outcome}
+        if reason:
+            tags[REASON_TAG] = reason[:5000]
+        self.set_tags(tags)
+        self.set_status("FAILED" if outcome == "failed" else "FINISHED")
 
 
-@retry
-def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float]) -> None:
-    now = get_current_time_millis()
-    items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
-    for i in range(0, len(items), 1000):
-        client.log_batch(run_id, metrics=items[i:i + 1000])
+@dataclass(frozen=True)
+class Tracker:
+    """One tracking store and experiment (:func:`connect`): the runs quantlab
+    starts there and every search it makes."""
 
+    client: MlflowClient
+    experiment_id: str
 
-def log_measurement(client: MlflowClient, run_id: str, m) -> None:
-    """One point's :class:`~quantlab.measurement.Measurement`: tags, metrics, artifacts."""
-    if m.tags:
-        set_tags(client, run_id, m.tags)
-    if getattr(m, "params", None):
-        client.log_batch(run_id, params=[Param(k, v) for k, v in m.params.items()])
-    if m.metrics:
-        log_metrics(client, run_id, m.metrics)
-    for name, text in m.artifacts.items():
-        log_text(client, run_id, text, name)
-    if m.items:
-        log_text(client, run_id, json.dumps(m.items, separators=(",", ":")), ITEMS_ARTIFACT)
+    def run(self, run_id: str) -> Run:
+        return Run(self, run_id)
+
+    @retry
+    def get(self, run_id: str):
+        return self.client.get_run(run_id)
+
+    @retry
+    def start(self, name: str, tags: dict[str, str], parent: str | None = None,
+              params: dict[str, str] | None = None) -> Run:
+        """A RUNNING run owned by this process (host/pid tags let a later
+        sweep recognise it as dead after a kill -9), under sweep ``parent``.
+
+        Exactly one run: MLflow's client retries a request whose answer was lost
+        (a tracking server restarted while it replied), and a retried create makes
+        a second run. The call's own key tag finds such twins; they are deleted."""
+        me = psutil.Process()
+        key = uuid.uuid4().hex
+        tags = {**tags, HOST_TAG: socket.gethostname(), PID_TAG: str(me.pid),
+                PID_START_TAG: tracking_server.process_stamp(me), CREATE_KEY_TAG: key}
+        if parent:
+            tags[PARENT_TAG] = parent
+        created = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        for twin in self._search(f"tags.`{CREATE_KEY_TAG}` = '{key}'", max_results=100):
+            if twin.info.run_id != created.info.run_id:
+                log.warning("run %s: a retried create made a twin %s; deleted", created.info.run_id,
+                            twin.info.run_id)
+                self.client.delete_run(twin.info.run_id)
+        run = Run(self, created.info.run_id)
+        run.log_params(params or {})
+        return run
+
+    def _search(self, filter_string: str, newest_first: bool = False, max_results: int = 5000) -> list:
+        order = ["attributes.start_time DESC"] if newest_first else None
+        return self.client.search_runs([self.experiment_id], filter_string=filter_string, order_by=order,
+                                       max_results=max_results)
+
+    @retry
+    def children(self, parent: str) -> list:
+        return sorted(self._search(f"tags.`{PARENT_TAG}` = '{parent}'"), key=lambda r: r.info.start_time)
+
+    def sweep_runs(self, parent: str) -> tuple[list, list]:
+        """A sweep's child runs: those it ran, and the light runs standing for the
+        earlier runs it reused (see :meth:`link_reused`)."""
+        runs = self.children(parent)
+        own = [r for r in runs if REUSED_FROM_TAG not in r.data.tags]
+        return own, [r for r in runs if REUSED_FROM_TAG in r.data.tags]
+
+    @retry
+    def sweeps(self) -> list[tuple[str, dict[str, str]]]:
+        """Every sweep's parent run id and tags, newest first."""
+        runs = self._search(f"tags.`{ROLE_TAG}` = '{ROLE_SWEEP}'", newest_first=True, max_results=1000)
+        return [(r.info.run_id, dict(r.data.tags)) for r in runs]
+
+    def find_sweep(self, sweep: str) -> str:
+        """The parent run id of ``sweep`` (latest, a sweep name, or a parent run
+        id); UserError listing the sweeps there are when none matches."""
+        try:
+            return find_sweep(self.sweeps(), sweep)[0]
+        except LookupError as e:
+            raise UserError(str(e)) from None
+
+    def tags(self, run_id: str) -> dict[str, str] | None:
+        """A run's tags, or None when the store has no such run."""
+        try:
+            return dict(self.get(run_id).data.tags)
+        except MlflowException:
+            return None
+
+    def link_reused(self, parent: str, earlier, sweep: str) -> Run:
+        """A light child run under ``parent`` for the ``earlier`` finished run a
+        sweep reuses: same name, params, metrics and tags (the sweep's own name,
+        outcome ``reused`` and ``quantlab.reused_from`` = the earlier run), so the
+        sweep's parent shows every point in the MLflow UI and its tag filter finds
+        them all. Artifacts stay with the earlier run (:func:`origin`)."""
+        own = ("mlflow.", PARENT_TAG, HASH_TAG, OUTCOME_TAG, REASON_TAG, SWEEP_TAG, HOST_TAG, PID_TAG, PID_START_TAG,
+               recommended_point_tag(0).rsplit(".", 1)[0] + ".")  # the sweep's picks stay with that sweep
+        tags = {k: v for k, v in earlier.data.tags.items() if not k.startswith(own)}
+        tags.update({SWEEP_TAG: sweep, OUTCOME_TAG: "reused", REUSED_FROM_TAG: earlier.info.run_id})
+        run = self.start(earlier.info.run_name, tags, parent=parent, params=dict(earlier.data.params))
+        run.log_metrics({k: v for k, v in earlier.data.metrics.items() if not k.startswith("recovery/")})
+        run.set_status("FINISHED")
+        return run
+
+    @retry
+    def find_finished(self, point_hash: str, host_id: str | None = None):
+        """The newest successfully finished run of this point (measured on host
+        ``host_id`` when given), or None."""
+        host = f" and tags.`{HOST_ID_TAG}` = '{host_id}'" if host_id else ""
+        runs = self._search(f"tags.`{HASH_TAG}` = '{point_hash}' and attributes.status = 'FINISHED' "
+                            f"and tags.`{OUTCOME_TAG}` = 'finished'{host}", newest_first=True, max_results=1)
+        return runs[0] if runs else None
+
+    @retry
+    def find_running(self, point_hash: str, parent: str | None, status: str = "RUNNING"):
+        """The newest run of this point in ``status`` under ``parent`` (any
+        parent when None), or None."""
+        under = f" and tags.`{PARENT_TAG}` = '{parent}'" if parent else ""
+        runs = self._search(f"tags.`{HASH_TAG}` = '{point_hash}' and attributes.status = '{status}'{under}",
+                            newest_first=True, max_results=1)
+        return runs[0] if runs else None
+
+    @retry
+    def reap_dead(self) -> list[str]:
+        """Mark RUNNING runs whose process died (kill -9, OOM killer) as KILLED."""
+        reaped = []
+        for found in self._search("attributes.status = 'RUNNING'"):
+            if not _alive(found.data.tags):
+                run = self.run(found.info.run_id)
+                run.set_tags({OUTCOME_TAG: "killed", REASON_TAG: "owning process died (killed or out of memory)"})
+                run.set_status("KILLED")
+                reaped.append(run.id)
+        return reaped
+
+    def items(self, run_id: str) -> dict[str, list[float]]:
+        """A run's per-item values (``items.json``); empty when it logged none.
+        For a light run of a reused point, pass :func:`origin` (the items stay there)."""
+        path = self.download(run_id, ITEMS_ARTIFACT)
+        return json.loads(path.read_text()) if path is not None else {}
+
+    def download(self, run_id: str, name: str, into: Path | None = None) -> Path | None:
+        """The run's artifact ``name`` in ``into`` (default: a fresh temporary
+        directory), or None when it has none; without MLflow's download bar
+        (a bar per point's small file, as a report reads them, is noise)."""
+        was = os.environ.get(_BAR)
+        os.environ[_BAR] = "false"
+        try:
+            into = into or Path(tempfile.mkdtemp(prefix="quantlab-artifact-"))
+            return Path(self.client.download_artifacts(run_id, name, str(into)))
+        except MlflowException:
+            return None
+        finally:
+            if was is None:
+                os.environ.pop(_BAR, None)
+            else:
+                os.environ[_BAR] = was
+
+    @retry
+    def register(self, name: str, source: str, run_id: str, tags: dict[str, str]):
+        """A new version of registered model ``name`` (created if new) from
+        artifact URI ``source`` of run ``run_id``."""
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as e:
+            if "already exists" not in str(e).lower() and e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        return self.client.create_model_version(name, source, run_id=run_id, tags=tags)
 
 
 _BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-
-
-def load_items(client: MlflowClient, run_id: str) -> dict[str, list[float]]:
-    """A run's per-item values (``items.json``); empty when it logged none.
-    For a light run of a reused point, pass :func:`origin` (the items stay there)."""
-    path = download_small(client, run_id, ITEMS_ARTIFACT)
-    return json.loads(path.read_text()) if path is not None else {}
-
-
-def download_small(client: MlflowClient, run_id: str, name: str) -> Path | None:
-    """The run's artifact ``name`` in a fresh temporary directory, or None
-    when it has none; without MLflow's download bar (a bar per point's small
-    file, as a report reads them, is noise)."""
-    was = os.environ.get(_BAR)
-    os.environ[_BAR] = "false"
-    try:
-        return Path(client.download_artifacts(run_id, name, tempfile.mkdtemp(prefix="quantlab-artifact-")))
-    except MlflowException:
-        return None
-    finally:
-        if was is None:
-            os.environ.pop(_BAR, None)
-        else:
-            os.environ[_BAR] = was
-
-
-@retry
-def set_tags(client: MlflowClient, run_id: str, tags: dict[str, str]) -> None:
-    client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-
-
-@retry
-def log_text(client: MlflowClient, run_id: str, text: str | bytes, name: str) -> None:
-    """One artifact ``name`` holding ``text`` (bytes are written as they are: a PNG)."""
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / name
-        if isinstance(text, bytes):
-            path.write_bytes(text)
-        else:
-            path.write_text(text)
-        client.log_artifact(run_id, str(path))
-
-
-@retry
-def end(client: MlflowClient, run_id: str, outcome: str, reason: str = "") -> None:
-    """Close a run. ``skipped`` is FINISHED with the outcome tag (nothing broke)."""
-    tags = {OUTCOME_TAG: outcome}
-    if reason:
-        tags[REASON_TAG] = reason[:5000]
-    set_tags(client, run_id, tags)
-    client.set_terminated(run_id, "FAILED" if outcome == "failed" else "FINISHED")
-
-
-@retry
-def children(client: MlflowClient, experiment_id: str, parent_id: str) -> list:
-    runs = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'", max_results=5000
-    )
-    return sorted(runs, key=lambda r: r.info.start_time)
-
-
-@retry
-def sweep_runs(client: MlflowClient, experiment_id: str, parent_id: str) -> tuple[list, list]:
-    """A sweep's child runs: those it ran, and the light runs standing for the
-    earlier runs it reused (see :func:`link_reused`)."""
-    runs = children(client, experiment_id, parent_id)
-    own = [r for r in runs if REUSED_FROM_TAG not in r.data.tags]
-    return own, [r for r in runs if REUSED_FROM_TAG in r.data.tags]
 
 
 def done(run) -> bool:
@@ -303,48 +429,6 @@ def origin(run) -> str:
     return run.data.tags.get(REUSED_FROM_TAG, run.info.run_id)
 
 
-def link_reused(client: MlflowClient, experiment_id: str, parent_id: str, earlier, sweep: str) -> str:
-    """A light child run under ``parent_id`` for the ``earlier`` finished run a
-    sweep reuses: same name, params, metrics and tags (the sweep's own name,
-    outcome ``reused`` and ``quantlab.reused_from`` = the earlier run), so the
-    sweep's parent shows every point in the MLflow UI and its tag filter finds
-    them all. Artifacts stay with the earlier run (:func:`origin`)."""
-    own = ("mlflow.", PARENT_TAG, HASH_TAG, OUTCOME_TAG, REASON_TAG, SWEEP_TAG, HOST_TAG, PID_TAG, PID_START_TAG,
-           recommended_point_tag(0).rsplit(".", 1)[0] + ".")  # the sweep's picks stay with that sweep
-    tags = {k: v for k, v in earlier.data.tags.items() if not k.startswith(own)}
-    tags.update({SWEEP_TAG: sweep, OUTCOME_TAG: "reused", REUSED_FROM_TAG: earlier.info.run_id})
-    run_id = start_run(client, experiment_id, earlier.info.run_name, tags, parent_id=parent_id,
-                       params=dict(earlier.data.params))
-    log_metrics(client, run_id, {k: v for k, v in earlier.data.metrics.items() if not k.startswith("recovery/")})
-    client.set_terminated(run_id, "FINISHED")
-    return run_id
-
-
-@retry
-def find_finished(client: MlflowClient, experiment_id: str, point_hash: str, host_id: str | None = None):
-    """The newest successfully finished run of this point (measured on host
-    ``host_id`` when given), or None."""
-    host = f" and tags.`{HOST_ID_TAG}` = '{host_id}'" if host_id else ""
-    runs = client.search_runs(
-        [experiment_id],
-        filter_string=(f"tags.`{HASH_TAG}` = '{point_hash}' and attributes.status = 'FINISHED' "
-                       f"and tags.`{OUTCOME_TAG}` = 'finished'{host}"),
-        order_by=["attributes.start_time DESC"], max_results=1)
-    return runs[0] if runs else None
-
-
-@retry
-def find_running(client: MlflowClient, experiment_id: str, point_hash: str, parent_id: str | None,
-                 status: str = "RUNNING"):
-    """The newest run of this point in ``status`` under ``parent_id`` (any
-    parent when None), or None."""
-    parent = f" and tags.`{PARENT_TAG}` = '{parent_id}'" if parent_id else ""
-    runs = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{HASH_TAG}` = '{point_hash}' and attributes.status = '{status}'{parent}",
-        order_by=["attributes.start_time DESC"], max_results=1)
-    return runs[0] if runs else None
-
-
 def _alive(tags: dict[str, str]) -> bool:
     """Whether the process that owns a RUNNING run still exists. Runs owned by
     another host are assumed alive (nothing here can tell)."""
@@ -354,20 +438,6 @@ def _alive(tags: dict[str, str]) -> bool:
         return tracking_server.same_process(int(tags[PID_TAG]), tags.get(PID_START_TAG, "")) is not None
     except ValueError:
         return False
-
-
-@retry
-def reap_dead(client: MlflowClient, experiment_id: str) -> list[str]:
-    """Mark RUNNING runs whose process died (kill -9, OOM killer) as KILLED."""
-    reaped = []
-    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
-                                  max_results=5000):
-        if not _alive(run.data.tags):
-            set_tags(client, run.info.run_id, {OUTCOME_TAG: "killed",
-                                               REASON_TAG: "owning process died (killed or out of memory)"})
-            client.set_terminated(run.info.run_id, "KILLED")
-            reaped.append(run.info.run_id)
-    return reaped
 
 
 @functools.cache

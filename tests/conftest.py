@@ -47,6 +47,14 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
+def tracker(uri: str, experiment: str = "quantlab"):
+    """quantlab's :class:`~quantlab.tracking.Tracker` on a store a test's sweep wrote."""
+    from quantlab import tracking
+    from quantlab.config import TrackingConfig
+
+    return tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
+
+
 def run_cli(args: list[str], timeout: int = 600, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``python [PYTHON_FLAGS] -m quantlab ARGS`` in a subprocess, as a user runs it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}

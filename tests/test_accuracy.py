@@ -15,7 +15,7 @@ from quantlab.config import AccuracyProbeConfig, ModelConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
 from quantlab.probes import accuracy, perplexity
-from tests.conftest import SHARED_DATA, run_cli
+from tests.conftest import SHARED_DATA, run_cli, tracker
 
 needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="no benchmark data (QUANTLAB_DATA_DIR or ../shared/data)")
 
@@ -164,7 +164,7 @@ def test_sweep_logs_accuracy_perplexity_recovery_and_results_json(tmp_path):
     assert m[f"recovery/{ppl}"] == pytest.approx(runs["fp32@cpu"].data.metrics[ppl] / m[ppl])
     assert runs["fp32@cpu"].data.metrics["recovery/acc/arc_easy_local"] == 1.0
     assert {"lm_eval_results.json", "items.json"} <= {a.path for a in c.list_artifacts(runs["int8@cpu"].info.run_id)}
-    items = tracking.load_items(c, runs["int8@cpu"].info.run_id)
+    items = tracker(c.tracking_uri).items(runs["int8@cpu"].info.run_id)
     assert len(items["acc/arc_easy_local"]) == 16 and len(items[ppl]) == 2 * 255
     assert math.exp(sum(items[ppl]) / len(items[ppl])) == pytest.approx(m[ppl], rel=1e-4)
     text = proc.stdout
@@ -288,7 +288,7 @@ def test_adaptive_perplexity_stops_a_clear_point_and_the_report_bounds_it_over_i
     assert fp32.tags["probe.perplexity.stop"].startswith("baseline candidate")
     assert int8.metrics[f"{ppl}_windows"] < 16 and int8.metrics[f"{ppl}_adaptive_cap"] == 16
     assert int8.tags["probe.perplexity.stop"].startswith("decided at")
-    assert len(tracking.load_items(c, runs["int8@cpu"].info.run_id)[ppl]) == int8.metrics[f"{ppl}_windows"] * 127
+    assert len(tracker(c.tracking_uri).items(runs["int8@cpu"].info.run_id)[ppl]) == int8.metrics[f"{ppl}_windows"] * 127
     assert len(list((tmp_path / "cache" / "reference_nll").glob("*.safetensors"))) == 1
     assert f"Decision rule: loss on `{ppl}`" in proc.stdout and "anytime-valid over" in proc.stdout
     assert "Adaptive perplexity" in proc.stdout and "int8@cpu: decided at" in proc.stdout
@@ -318,7 +318,7 @@ def test_adaptive_lm_eval_stops_a_clear_point_and_the_report_bounds_it_over_its_
     assert fp32.tags["probe.accuracy.stop"] == "arc_easy_local: baseline candidate: scored the cap"
     assert int8.metrics[f"{acc}_documents"] < 200 and int8.metrics[f"{acc}_adaptive_cap"] == 200
     assert int8.tags["probe.accuracy.stop"].startswith("arc_easy_local: decided at")
-    items = tracking.load_items(c, runs["int8@cpu"].info.run_id)
+    items = tracker(c.tracking_uri).items(runs["int8@cpu"].info.run_id)
     assert len(items[acc]) == len(items["doc_ids/arc_easy_local"]) == int8.metrics[f"{acc}_documents"]
     assert len(list((tmp_path / "cache" / "reference_docs").glob("*.json"))) == 1
     assert "Adaptive lm-eval" in proc.stdout and "int8@cpu: arc_easy_local: decided at" in proc.stdout

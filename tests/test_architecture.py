@@ -149,6 +149,14 @@ def test_one_kl_per_token_function():
     assert [h for h in _grep(r"\.exp\(\) \* \(") if not h.startswith("quantlab/divergence.py")] == []
 
 
+def test_only_the_tracker_talks_to_mlflow():
+    """Every MLflow read and write goes through quantlab.tracking's Tracker and
+    Run: no other module imports mlflow or calls the client's methods."""
+    assert [h for h in _grep(r"^\s*(import mlflow|from mlflow)") if not h.startswith("quantlab/tracking.py")] == []
+    calls = r"\.(create_run|log_batch|log_artifacts?|set_terminated|search_runs|get_run|download_artifacts|set_tag)\("
+    assert [h for h in _grep(calls) if not h.startswith("quantlab/tracking.py")] == []
+
+
 def test_no_run_name_parsing():
     assert _grep(r'split\("@"\)') == []
 

@@ -18,7 +18,7 @@ from quantlab import models, point
 from quantlab.export import checkpoint, formats, roundtrip, run
 from quantlab.errors import UserError
 from quantlab.pipeline import run_point
-from tests.conftest import REPO, compose_cfg
+from tests.conftest import REPO, compose_cfg, tracker
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ layers:
 def test_export_reloads_with_same_greedy_text(store, scheme, fmt, tmp_path):
     client, ids, _ = store
     out = tmp_path / scheme
-    manifest = run.export_run(client, ids[scheme], out)
+    manifest = run.export_run(tracker(client.tracking_uri).run(ids[scheme]), out)
     assert manifest["format"] == fmt
     rt = manifest["round_trip"]
     assert rt["passed"] and rt["kl_mean"] < 1e-4
@@ -88,7 +88,7 @@ def test_mixed_export_has_a_group_per_candidate(store, tmp_path):
     point's own function (KL to the dense twin < 1e-4)."""
     client, ids, _ = store
     out = tmp_path / "mixed"
-    manifest = run.export_run(client, ids["mixed"], out)
+    manifest = run.export_run(tracker(client.tracking_uri).run(ids["mixed"]), out)
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == "pack-quantized"  # int8 and int4 groups share compressed-tensors' format
     groups = {(g["format"], g["weights"]["num_bits"], g["weights"].get("block_structure") and
@@ -122,7 +122,7 @@ def test_export_holds_the_same_integers(store, tmp_path):
 
     client, ids, d = store
     out = tmp_path / "int8"
-    run.export_run(client, ids["int8"], out)
+    run.export_run(tracker(client.tracking_uri).run(ids["int8"]), out)
     stored = _unpacked(load_file(out / "model.safetensors"), "model.layers.0.mlp.down_proj", 8)
     cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int8"], "config.yaml", str(tmp_path))).read_text()))
     model = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
@@ -136,7 +136,7 @@ def test_w8a8_reload_quantizes_its_activations(store, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     client, ids, _ = store
-    run.export_run(client, ids["fp8-w8a8"], tmp_path / "w8a8")
+    run.export_run(tracker(client.tracking_uri).run(ids["fp8-w8a8"]), tmp_path / "w8a8")
     calls = []
     real = ct_forward.forward_quantize
 
@@ -165,7 +165,7 @@ def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path)
 
     client, ids, _ = store
     out = tmp_path / "int4"
-    run.export_run(client, ids["int4-g32"], out)
+    run.export_run(tracker(client.tracking_uri).run(ids["int4-g32"]), out)
     t = load_file(out / "model.safetensors")
     packed, zp = t["model.layers.0.mlp.down_proj.weight_packed"], t["model.layers.0.mlp.down_proj.weight_zero_point"]
     cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int4-g32"], "config.yaml",
@@ -206,7 +206,7 @@ def test_corrupted_tensor_fails_round_trip_and_writes_nothing(store, tmp_path, m
 
     monkeypatch.setattr(checkpoint, "write", corrupt)
     with pytest.raises(UserError, match="round trip failed: reload vs the point.s dequantized weights: KL"):
-        run.export_run(client, ids["int4-g32"], tmp_path / "bad")
+        run.export_run(tracker(client.tracking_uri).run(ids["int4-g32"]), tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tmp-*"))
     assert client.get_run(ids["int4-g32"]).data.tags["export.round_trip"] == "failed"
 
@@ -219,7 +219,7 @@ def test_interrupted_export_leaves_no_half_directory(store, tmp_path, monkeypatc
 
     monkeypatch.setattr(roundtrip, "verify_in_fresh_process", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run.export_run(client, ids["int8"], tmp_path / "x")
+        run.export_run(tracker(client.tracking_uri).run(ids["int8"]), tmp_path / "x")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -229,15 +229,15 @@ def test_refuses_to_overwrite_without_force(store, tmp_path):
     out.mkdir()
     (out / "mine.txt").write_text("precious")
     with pytest.raises(UserError, match="exists; pass --force"):
-        run.export_run(client, ids["int8"], out)
+        run.export_run(tracker(client.tracking_uri).run(ids["int8"]), out)
     assert (out / "mine.txt").read_text() == "precious"
-    run.export_run(client, ids["int8"], out, force=True)
+    run.export_run(tracker(client.tracking_uri).run(ids["int8"]), out, force=True)
     assert not (out / "mine.txt").exists() and (out / "quantlab.json").is_file()
 
 
 def test_registry_entry_created_with_metric_tags(store, tmp_path):
     client, ids, _ = store
-    run.export_run(client, ids["int4-g32"], tmp_path / "reg", register="quantlab-tiny")
+    run.export_run(tracker(client.tracking_uri).run(ids["int4-g32"]), tmp_path / "reg", register="quantlab-tiny")
     (mv,) = client.search_model_versions("name='quantlab-tiny'")
     assert mv.run_id == ids["int4-g32"] and mv.tags["scheme"] == "int4-g32"
     assert "fid/kl_mean" in mv.tags and mv.tags["format"] == "compressed-tensors/pack-quantized"
@@ -305,7 +305,7 @@ def test_export_copies_into_artifacts_only_when_registering(store, tmp_path, mon
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    run.export_run(client, ids["int8"], tmp_path / "plain")
+    run.export_run(tracker(client.tracking_uri).run(ids["int8"]), tmp_path / "plain")
     assert not client.list_artifacts(ids["int8"], "export")
     assert list(scratch.iterdir()) == []  # no temp file left behind
 
@@ -354,7 +354,7 @@ def test_an_export_that_lost_its_quantization_fails_the_round_trip(store, tmp_pa
     # int4 (the tiny random model's int8 error is below the 1e-4 tolerance: there a
     # float reload is as faithful as any)
     with pytest.raises(UserError, match="round trip failed"):
-        run.export_run(client, ids["int4-g32"], tmp_path / "lost")
+        run.export_run(tracker(client.tracking_uri).run(ids["int4-g32"]), tmp_path / "lost")
     assert not (tmp_path / "lost").exists()
 
 

@@ -24,7 +24,7 @@ from quantlab.serving import policies
 from quantlab.serving.requests import Limits, Request
 from quantlab.serving.transformers_cb import ContinuousPolicy
 from quantlab.schemes.kv import Int8KV, NoKV, cache_factory
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tracker
 
 
 @given(rate=st.floats(0.5, 200), duration=st.floats(0.1, 20), seed=st.integers(0, 10**6))
@@ -329,7 +329,7 @@ def test_serving_sweep_logs_the_load_table_and_the_report_section(tmp_path):
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/m.db")
     exp = client.get_experiment_by_name("quantlab").experiment_id
     parent = client.search_runs([exp], "tags.`quantlab.role` = 'sweep'")[0]
-    kids = {r.info.run_name: r for r in tracking.children(client, exp, parent.info.run_id)}
+    kids = {r.info.run_name: r for r in tracker(client.tracking_uri).children(parent.info.run_id)}
     assert set(kids) == {"int8@cpu", "int8+kv8@cpu"}
     plain, kv8 = kids["int8@cpu"], kids["int8+kv8@cpu"]
     for r in (plain, kv8):
@@ -356,7 +356,7 @@ def test_serving_sweep_logs_the_load_table_and_the_report_section(tmp_path):
     assert kv8.data.metrics["load/knee_alpha"] == pytest.approx(0.05 / 2)
     assert {plain.data.metrics[f"load/{p}/knee_percentile"] for p in ("continuous", "dynamic")} == {90.0}  # < 100
     assert all(r["tpot_ms_p90"] <= r["tpot_ms_p99"] for r in rows if r["completed"] > 1)
-    text = report.build(client, exp, parent.info.run_id, log_to_run=False, out_dir=tmp_path / "rep")
+    text = report.build(tracker(client.tracking_uri), parent.info.run_id, log_to_run=False, out_dir=tmp_path / "rep")
     for heading in ("## Serving", "### 1. Capacity under the SLOs", "### 2. Policies at each offered rate",
                     "### 3. KV capacity", "### 4. Achieved weight bandwidth", "capacity under SLOs req/s",
                     "capacity 95% lower bound", "knee 95% lower bound", "SLO percentile",

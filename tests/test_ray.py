@@ -14,9 +14,9 @@ import mlflow
 import psutil
 import pytest
 
-from quantlab import cli, point, tracking, tracking_server
+from quantlab import cli, point, tracking_server
 from quantlab.errors import UserError
-from tests.conftest import REPO, MlflowServer, free_port, run_cli
+from tests.conftest import REPO, MlflowServer, free_port, run_cli, tracker
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None,
                                reason="the ray extra is not installed (pip install -e '.[ray]')")
@@ -42,7 +42,7 @@ def _sweep(tmp_path, name: str, *extra: str, server: bool = False):
     exp = client.get_experiment_by_name("quantlab").experiment_id
     parents = client.search_runs([exp], f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'")
     assert len(parents) == 1, proc.stderr[-2000:]
-    kids = {r.info.run_name: r for r in tracking.children(client, exp, parents[0].info.run_id)}
+    kids = {r.info.run_name: r for r in tracker(client.tracking_uri).children(parents[0].info.run_id)}
     if server:
         arts = {p.name for p in (db.parent / "artifacts").glob(f"*/{parents[0].info.run_id}/artifacts/*")}
     else:
@@ -191,14 +191,14 @@ def test_a_point_on_a_lost_node_fails_and_the_rerun_finishes_it(tmp_path, postgr
     client = mlflow.MlflowClient(db)
     (parent,) = _parents(client)
     assert parent.info.status == "FAILED"  # ended, with a failed point
-    kids = tracking.children(client, parent.info.experiment_id, parent.info.run_id)
+    kids = tracker(client.tracking_uri).children(parent.info.run_id)
     assert sorted(r.info.run_name for r in kids) == ["bf16@cpu", "fp32@cpu"]
     lost = {r.info.run_name: r.data.tags[point.REASON_TAG] for r in kids if r.info.status == "FAILED"}
     assert list(lost) == [victim] and lost[victim].startswith("node or worker lost"), lost
     assert all(r.data.tags[point.OUTCOME_TAG] == "finished" for r in kids if r.info.run_name != victim)
     again = run_cli(args, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    runs, reused = tracking.sweep_runs(client, parent.info.experiment_id, _parents(client)[-1].info.run_id)
+    runs, reused = tracker(client.tracking_uri).sweep_runs(_parents(client)[-1].info.run_id)
     assert [r.info.run_name for r in runs] == [victim] and runs[0].info.status == "FINISHED"
     assert [r.info.run_name for r in reused] == [n for n in ("bf16@cpu", "fp32@cpu") if n != victim]
 
@@ -230,7 +230,7 @@ def test_a_tracking_server_restarted_mid_sweep_loses_and_duplicates_nothing(tmp_
         client = mlflow.MlflowClient(server.url)
         (parent,) = _parents(client)
         assert parent.info.status == "FINISHED" and parent.data.metrics["points_finished"] == 3
-        kids = tracking.children(client, parent.info.experiment_id, parent.info.run_id)
+        kids = tracker(client.tracking_uri).children(parent.info.run_id)
         assert sorted(r.info.run_name for r in kids) == ["bf16@cpu", "fp16@cpu", "fp32@cpu"]
         assert all(r.info.status == "FINISHED" and r.data.tags[point.OUTCOME_TAG] == "finished" for r in kids)
         assert "answers again" in log.read_text()  # the point that waited went on
@@ -272,11 +272,11 @@ def test_a_killed_driver_is_resumed_by_the_rerun(tmp_path, postgres, two_nodes):
     client = mlflow.MlflowClient(db)
     dead, parent = _parents(client)
     assert dead.info.status == "KILLED" and dead.data.tags[point.OUTCOME_TAG] == "killed"
-    runs, reused = tracking.sweep_runs(client, parent.info.experiment_id, parent.info.run_id)
+    runs, reused = tracker(client.tracking_uri).sweep_runs(parent.info.run_id)
     assert sorted(r.info.run_name for r in reused) == finished
     assert sorted(r.info.run_name for r in runs + reused) == ["bf16@cpu", "fp16@cpu", "fp32@cpu"]
     assert all(r.info.status == "FINISHED" for r in runs)
-    left = tracking.children(client, dead.info.experiment_id, dead.info.run_id)
+    left = tracker(client.tracking_uri).children(dead.info.run_id)
     assert {r.info.status for r in left if r.info.run_name not in finished} <= {"KILLED"}
 
 
@@ -299,7 +299,7 @@ def test_two_sweeps_on_one_cluster_and_one_server_keep_their_points_apart(tmp_pa
         parents = _parents(client)
         assert len(parents) == 2
         for parent in parents:
-            kids = tracking.children(client, parent.info.experiment_id, parent.info.run_id)
+            kids = tracker(client.tracking_uri).children(parent.info.run_id)
             weights = parent.data.params["sweep.overrides"].split("scheme/weights=")[1].split()[0]
             assert sorted(r.info.run_name for r in kids) == sweeps[weights]
             assert all(r.data.tags[point.OUTCOME_TAG] == "finished" for r in kids)

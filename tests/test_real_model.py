@@ -7,7 +7,7 @@ from mlflow.tracking import MlflowClient
 
 from quantlab import models
 from quantlab.config import ModelConfig
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tracker
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def test_int4_g64_exports_four_bit_on_disk(tmp_path):
         cfg = compose_cfg(["model=smollm2-135m", "probe=smoke", "probe.latency.enabled=false",
                            f"scheme/weights={scheme}", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"])
         run_id = run_point(cfg).run_id
-        manifest = export.export_run(MlflowClient(uri), run_id, tmp_path / scheme)
+        manifest = export.export_run(tracker(uri).run(run_id), tmp_path / scheme)
         assert manifest["round_trip"]["passed"] and manifest["round_trip"]["greedy_match"], manifest["round_trip"]
         sizes[scheme] = sum(f.stat().st_size for f in (tmp_path / scheme).iterdir())
     assert sizes["int4-g64"] <= 0.45 * sizes["bf16"], sizes

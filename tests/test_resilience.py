@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from quantlab import tracking
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, tracker
 
 
 def _runs(uri: str, status: str | None = None):
@@ -44,7 +44,7 @@ def test_rerun_reuses_finished_points_and_force_reruns(tmp_path):
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("quantlab").experiment_id
     parents = client.search_runs([exp], "tags.`quantlab.role` = 'sweep'", order_by=["attributes.start_time DESC"])
-    own, light = tracking.sweep_runs(client, exp, parents[0].info.run_id)
+    own, light = tracker(client.tracking_uri).sweep_runs(parents[0].info.run_id)
     measured = {r.info.run_id: r for r in _runs(uri)}
     assert own == [] and sorted(r.info.run_name for r in light) == ["bf16@cpu", "fp32@cpu", "int8@cpu"]
     for r in light:
@@ -187,9 +187,9 @@ def test_timings_are_never_reused_from_another_host(tmp_path):
     sweep = ["-m", "model=tiny", "scheme/weights=fp32,bf16", "probe.latency.repeats=1", "probe.latency.new_tokens=4",
              "probe.cache.enabled=false"]
     assert run_cli([*sweep, *store]).returncode == 0
-    client = MlflowClient(tracking_uri=uri)
+    t = tracker(uri)
     for r in _runs(uri):
-        tracking.set_tags(client, r.info.run_id, {tracking.HOST_ID_TAG: "elsewhere", "host.fingerprint": "Other CPU"})
+        t.run(r.info.run_id).set_tags({tracking.HOST_ID_TAG: "elsewhere", "host.fingerprint": "Other CPU"})
     again = run_cli([*sweep, *store])
     assert again.returncode == 0 and again.stdout.count("| reused") == 0
     assert len(_runs(uri, "FINISHED")) == 4
@@ -197,7 +197,7 @@ def test_timings_are_never_reused_from_another_host(tmp_path):
     no_lat = ["-m", "model=tiny", "scheme/weights=fp32", "probe.latency.enabled=false", "probe.cache.enabled=false"]
     assert run_cli([*no_lat, *store]).returncode == 0
     for r in _runs(uri):
-        tracking.set_tags(client, r.info.run_id, {tracking.HOST_ID_TAG: "elsewhere", "host.fingerprint": "Other CPU"})
+        t.run(r.info.run_id).set_tags({tracking.HOST_ID_TAG: "elsewhere", "host.fingerprint": "Other CPU"})
     third = run_cli([*no_lat, *store])
     assert third.returncode == 0 and third.stdout.count("| reused") == 1
     assert "host Other CPU" in third.stdout
@@ -240,8 +240,8 @@ def test_a_moved_store_reads_its_artifacts_where_it_now_is(tmp_path):
     new = tmp_path / "new" / "mlruns"
     new.parent.mkdir()
     shutil.move(old, new)
-    client, exp = tracking.connect(TrackingConfig(uri=f"sqlite:///{new}/mlflow.db", experiment="quantlab",
-                                                  artifact_root=None))
+    t = tracking.connect(TrackingConfig(uri=f"sqlite:///{new}/mlflow.db", experiment="quantlab", artifact_root=None))
+    client, exp = t.client, t.experiment_id
     (run,) = [r for r in client.search_runs([exp]) if r.info.run_name.endswith("@cpu")]
     assert run.info.artifact_uri.startswith((new / "artifacts").as_uri())
     got = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
@@ -252,10 +252,11 @@ def test_a_moved_store_reads_its_artifacts_where_it_now_is(tmp_path):
 def test_a_create_retried_after_its_answer_was_lost_leaves_one_run(tmp_path, monkeypatch):
     """MLflow's client retries a request whose answer was lost (a tracking
     server restarted while it replied): the create ran twice on the server.
-    start_run deletes the twin its own key finds, so a point is one run."""
+    Tracker.start deletes the twin its own key finds, so a point is one run."""
     from quantlab.config import TrackingConfig
 
-    client, exp = tracking.connect(TrackingConfig(uri=f"sqlite:///{tmp_path}/m.db", artifact_root=None))
+    t = tracking.connect(TrackingConfig(uri=f"sqlite:///{tmp_path}/m.db", artifact_root=None))
+    client, exp = t.client, t.experiment_id
     real = client.create_run
 
     def created_twice(*args, **kwargs):
@@ -263,7 +264,7 @@ def test_a_create_retried_after_its_answer_was_lost_leaves_one_run(tmp_path, mon
         return real(*args, **kwargs)  # the retry's answer
 
     monkeypatch.setattr(client, "create_run", created_twice)
-    run_id = tracking.start_run(client, exp, "int8@cpu", {"k": "v"}, parent_id="p0")
+    run_id = t.start("int8@cpu", {"k": "v"}, parent="p0").id
     (run,) = client.search_runs([exp])  # active runs only: the twin is deleted
     assert run.info.run_id == run_id and run.data.tags["k"] == "v"
     assert len(client.search_runs([exp], run_view_type=3)) == 2  # ViewType.ALL: the twin is there, deleted
@@ -295,7 +296,7 @@ def test_an_experiment_another_writer_created_meanwhile_is_used(tmp_path, monkey
     from quantlab.config import TrackingConfig
 
     cfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/m.db", artifact_root=None)
-    _, first = tracking.connect(cfg)
+    first = tracking.connect(cfg).experiment_id
     real = MlflowClient.get_experiment_by_name
     calls = []
 
@@ -304,7 +305,7 @@ def test_an_experiment_another_writer_created_meanwhile_is_used(tmp_path, monkey
         return None if len(calls) == 1 else real(self, name)
 
     monkeypatch.setattr(MlflowClient, "get_experiment_by_name", not_yet)
-    assert tracking.connect(cfg)[1] == first and len(calls) == 2
+    assert tracking.connect(cfg).experiment_id == first and len(calls) == 2
 
 
 def test_provenance_from_a_copy_that_is_not_a_git_checkout(tmp_path):

@@ -15,9 +15,9 @@ import time
 import mlflow
 import pytest
 
-from quantlab import cli, point, tracking
+from quantlab import cli, point
 from quantlab.errors import UserError
-from tests.conftest import free_port, run_cli
+from tests.conftest import free_port, run_cli, tracker
 
 needs_plugin = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
                                   reason="the slurm extra is not installed (pip install -e '.[slurm]')")
@@ -91,7 +91,7 @@ def test_a_slurm_sweep_logs_what_the_basic_launcher_logs(tmp_path, slurm):
         client = mlflow.MlflowClient(uri)
         exp = client.get_experiment_by_name("quantlab").experiment_id
         (parent,) = client.search_runs([exp], f"tags.`{point.ROLE_TAG}` = '{point.ROLE_SWEEP}'")
-        runs[uri] = {r.info.run_name: r for r in tracking.children(client, exp, parent.info.run_id)}
+        runs[uri] = {r.info.run_name: r for r in tracker(client.tracking_uri).children(parent.info.run_id)}
         assert parent.info.status == "FINISHED"
     b_kids, s_kids = runs.values()
     assert set(b_kids) == set(s_kids) == {"fp32@cpu", "bf16@cpu", "fp16@cpu"}

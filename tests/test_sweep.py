@@ -5,7 +5,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from quantlab import tracking
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tracker
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_summary_table_printed_and_logged(smoke_sweep):
     assert "python -m quantlab.export --sweep smoke --budget 0.05 --out exports/smoke-0.05" in proc.stdout
     assert f"as artifacts of the parent run {parent_id}" in proc.stdout and "Runs: fp32@cpu " in proc.stdout
     child = next(r for r in runs if r.info.run_name == "bf16@cpu")
-    assert tracking.load_items(client, child.info.run_id) == {}  # smoke logs no per-item values
+    assert tracker(client.tracking_uri).items(child.info.run_id) == {}  # smoke logs no per-item values
     parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
     assert {"report.md", "pareto.png", "pareto.html", "capabilities.md"} <= \
         {a.path for a in client.list_artifacts(parent.info.run_id)}

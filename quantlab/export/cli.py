@@ -63,27 +63,9 @@ class SqliteStore:
         return [(i, self.tags(i) or {}) for i in ids]
 
 
-class MlflowStore:
-    """Any other tracking URI (a server, a file store), through MLflow."""
-
-    def __init__(self, client, experiment_id: str):
-        self.client, self.experiment_id = client, experiment_id
-
-    def tags(self, run_id: str) -> dict[str, str] | None:
-        from mlflow.exceptions import MlflowException
-
-        try:
-            return dict(self.client.get_run(run_id).data.tags)
-        except MlflowException:
-            return None
-
-    def sweeps(self) -> list[tuple[str, dict[str, str]]]:
-        runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{ROLE_TAG}` = '{ROLE_SWEEP}'",
-                                       order_by=["attributes.start_time DESC"], max_results=1000)
-        return [(r.info.run_id, dict(r.data.tags)) for r in runs]
-
-
 def open_store(uri: str, experiment: str) -> Store:
+    """The store the checks read: SQLite directly, any other URI through
+    :class:`quantlab.tracking.Tracker`."""
     if uri.startswith("sqlite:///"):
         try:
             return SqliteStore(Path(uri[len("sqlite:///"):]), experiment)
@@ -92,8 +74,7 @@ def open_store(uri: str, experiment: str) -> Store:
     from quantlab import tracking
     from quantlab.config import TrackingConfig
 
-    client, exp = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
-    return MlflowStore(client, exp)
+    return tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))  # a Store too
 
 
 def resolve(store: Store, run: str | None, sweep: str | None, budget: float, fmt: str) -> str:
@@ -182,11 +163,11 @@ def export(out: Path, *, run: str | None = None, sweep: str | None = None, budge
     from quantlab.config import TrackingConfig
     from quantlab.export import run as work
 
-    client, _ = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
+    source = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None)).run(run_id)
     if fmt == "gguf":
-        work.export_gguf(client, run_id, out, force)
+        work.export_gguf(source, out, force)
     else:
-        work.export_run(client, run_id, out, force, register)
+        work.export_run(source, out, force, register)
     return out
 
 

@@ -61,15 +61,15 @@ def dense_twins(model: torch.nn.Module, float_model: torch.nn.Module, dtype: tor
     return float_twin.eval(), dense.eval()
 
 
-def export_run(client, run_id: str, out: Path, force: bool = False, register: str | None = None,
+def export_run(source: tracking.Run, out: Path, force: bool = False, register: str | None = None,
                tolerance: float | None = None) -> dict:
     """Rebuild, write, verify, rename into place, log and (optionally) register.
     The model is loaded once: the point, the compressor's fp32 copy and the
     two dense twins of the round trip are copies of that one load."""
     if out.exists() and not force:
         raise UserError(f"{out} exists; pass --force to replace it")
-    run = client.get_run(run_id)
-    cfg = _run_config(client, run_id)
+    run_id, run = source.id, source.get()
+    cfg = _run_config(source)
     spec = formats.mapping("checkpoint", cfg.scheme.weights)  # refuse a scheme without a format before rebuilding
     log.info("export: rebuilding %s from run %s", run.info.run_name, run_id)
     if cfg.scheme.kv.short_name():
@@ -109,7 +109,7 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
         (tmp / "quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
         tags = {"export.format": fmt, "export.round_trip": "passed" if check["passed"] else "failed",
                 "export.kl_mean": f"{check['kl_mean']:.3e}", "export.greedy_match": str(check["greedy_match"])}
-        tracking.set_tags(client, run_id, tags)
+        source.set_tags(tags)
         if not check["passed"]:
             raise UserError(f"round trip failed: {check['why']}; nothing written to {out}")
         if out.exists():
@@ -119,24 +119,27 @@ def export_run(client, run_id: str, out: Path, force: bool = False, register: st
         shutil.rmtree(tmp, ignore_errors=True)
     if register:  # the registry's version points at a copy in the run's artifacts
         log.info("export: copying %s into run %s's artifacts (export/) for the registry", out, run_id)
-        client.log_artifacts(run_id, str(out), artifact_path="export")
-        _register(client, register, run, fmt)
+        source.log_files(out, under="export")
+        _register(source.tracker, register, run, fmt)
     log.info("export: %s written (%s), round trip KL %.2e, greedy text %s", out, fmt, check["kl_mean"],
              "identical" if check["greedy_match"] else "DIFFERENT")
     return manifest
 
 
-def _run_config(client, run_id: str) -> RunConfig:
+def _run_config(run: tracking.Run) -> RunConfig:
     """The point's config as its run logged it."""
     with tempfile.TemporaryDirectory() as d:
-        text = Path(client.download_artifacts(run_id, "config.yaml", d)).read_text()
+        path = run.tracker.download(run.id, "config.yaml", Path(d))
+        if path is None:
+            raise UserError(f"run {run.id} logged no config.yaml: not a quantlab point")
+        text = path.read_text()
     try:
         return config_from_dict(yaml.safe_load(text))
     except ValueError as e:
-        raise UserError(f"run {run_id}: {e}") from None
+        raise UserError(f"run {run.id}: {e}") from None
 
 
-def export_gguf(client, run_id: str, out: Path, force: bool = False) -> dict:
+def export_gguf(source: tracking.Run, out: Path, force: bool = False) -> dict:
     """The point as one GGUF file (its own integers; see :mod:`quantlab.export.gguf`),
     kept only when llama.cpp reproduces the point (:func:`roundtrip.gguf_check`);
     a ``<out>.quantlab.json`` manifest beside it."""
@@ -145,7 +148,8 @@ def export_gguf(client, run_id: str, out: Path, force: bool = False) -> dict:
 
     if out.exists() and not force:
         raise UserError(f"{out} exists; pass --force to replace it")
-    cfg = _run_config(client, run_id)
+    run_id = source.id
+    cfg = _run_config(source)
     w = cfg.scheme.weights
     gguf_type = formats.mapping("gguf", w)["type"]
     log.info("export: rebuilding %s from run %s for GGUF (%s)", w.short_name(), run_id, gguf_type)
@@ -161,8 +165,8 @@ def export_gguf(client, run_id: str, out: Path, force: bool = False) -> dict:
             check = roundtrip.gguf_check(tmp, engine, model, ids, gguf_type)
         finally:
             engine.close()
-        tracking.set_tags(client, run_id, {"export.gguf.round_trip": "passed" if check["passed"] else "failed",
-                                           "export.gguf.kl_mean": f"{check['kl_mean']:.3e}"})
+        source.set_tags({"export.gguf.round_trip": "passed" if check["passed"] else "failed",
+                         "export.gguf.kl_mean": f"{check['kl_mean']:.3e}"})
         if not check["passed"]:
             raise UserError(f"GGUF round trip failed: KL {check['kl_mean']:.3e} (tolerance "
                             f"{check['tolerance_kl_mean']:g}), tensor types {check['tensor_types']} "
@@ -179,16 +183,8 @@ def export_gguf(client, run_id: str, out: Path, force: bool = False) -> dict:
     return manifest
 
 
-def _register(client, name: str, run, fmt: str) -> None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.create_registered_model(name)
-    except MlflowException as e:
-        if "already exists" not in str(e).lower() and "RESOURCE_ALREADY_EXISTS" not in str(e):
-            raise
+def _register(tracker: tracking.Tracker, name: str, run, fmt: str) -> None:
     keys = ("fid/kl_mean", "lat/tpot_ms_p50", "size/weight_mb", "size/bits_per_weight")
     tags = {k: f"{run.data.metrics[k]:.4g}" for k in keys if k in run.data.metrics}
     tags.update({"format": fmt, "scheme": run.data.tags.get(point.SCHEME_TAG, "?")})
-    source = f"{run.info.artifact_uri}/export"
-    client.create_model_version(name, source, run_id=run.info.run_id, tags=tags)
+    tracker.register(name, f"{run.info.artifact_uri}/export", run.info.run_id, tags)
