@@ -13,10 +13,10 @@ Every config (the run's nodes here, each scheme's and target's, a plugin's)
 is checked one way: a field declares its valid values in its ``metadata``
 (``choices``, ``min``, ``max``, ``above``, ``rule``), a ``check(path)``
 method holds the rules across fields, and :func:`validate` runs both;
-:func:`check_choice` is the same refusal for code given a raw value. This module imports nothing else of quantlab but the
-table of named shapes (:mod:`quantlab.shapes`, plain data): Hydra's
-ConfigStore and the dict round trip, which need every scheme and target, are
-:mod:`quantlab.compose`.
+:func:`check_choice` is the same refusal for code given a raw value.
+This module imports nothing else of quantlab but the table of named shapes
+(:mod:`quantlab.shapes`, plain data): Hydra's ConfigStore and the dict round
+trip, which need every scheme and target, are :mod:`quantlab.compose`.
 """
 from __future__ import annotations
 
@@ -262,6 +262,29 @@ class KVPositionProbeConfig:
 
 
 @dataclass
+class PasskeyProbeConfig:
+    """Retrieval at a distance (:mod:`quantlab.probes.passkey`): a key of
+    ``digits`` digits hidden at each of ``depths`` (the fraction of the
+    filler before it) in filler text of each of ``lengths`` tokens, then
+    asked for; ``trials`` keys per cell, seeded by the run's seed (every
+    point is asked the same). Scored by whether greedy decoding reproduces
+    the key and by its log-likelihood, through the point's cache (the prompt
+    fed ``chunk`` tokens at a time) and on the same engine without one."""
+
+    enabled: bool = False
+    lengths: list[int] = field(default_factory=lambda: [256, 1024, 2048], metadata={"min": 64})
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0],
+                                metadata={"min": 0, "max": 1})
+    trials: int = field(default=4, metadata={"min": 1})
+    digits: int = field(default=5, metadata={"min": 1, "max": 12})
+    chunk: int = field(default=64, metadata={"min": 1})
+
+    def check(self, path: str) -> None:
+        if not self.lengths or not self.depths:
+            raise ValueError(f"{path}lengths={self.lengths}, {path}depths={self.depths}: at least one of each")
+
+
+@dataclass
 class SLOConfig:
     """Service-level objectives a request must meet to count as goodput."""
 
@@ -346,6 +369,7 @@ class ProbeConfig:
     cache: CacheProbeConfig = field(default_factory=CacheProbeConfig)
     load: LoadProbeConfig = field(default_factory=LoadProbeConfig)
     kv_position: KVPositionProbeConfig = field(default_factory=KVPositionProbeConfig)
+    passkey: PasskeyProbeConfig = field(default_factory=PasskeyProbeConfig)
     # settings of probes other packages register (quantlab.probes entry points), by probe name:
     # +probe.plugins.<name>.<key>=<value>; part of the point's hash like any other setting
     plugins: dict[str, Any] = field(default_factory=dict)
@@ -523,7 +547,7 @@ def check_adaptive(cfg: PerplexityProbeConfig | AccuracyProbeConfig, path: str) 
                          f"an error rate and relative losses, each below 1")
 
 
-ACCURACY_PROBES = ("fidelity", "perplexity", "accuracy", "cache", "kv_position")
+ACCURACY_PROBES = ("fidelity", "perplexity", "accuracy", "cache", "kv_position", "passkey")
 
 
 def accuracy_probes(p: ProbeConfig) -> list[str]:
@@ -548,6 +572,9 @@ def probe_context(p: ProbeConfig) -> tuple[int, str]:
                      "probe.cache (prefix_tokens + continuation_tokens)"))
     if p.load.enabled:
         asks.append((p.load.prompt_tokens + p.load.new_tokens, "probe.load (prompt_tokens + new_tokens)"))
+    if p.passkey.enabled:  # the key's tokens follow the prompt
+        asks.append((max(p.passkey.lengths) + p.passkey.digits, f"probe.passkey.lengths (longest "
+                                                                 f"{max(p.passkey.lengths)}) + digits"))
     return max(asks)
 
 

@@ -168,3 +168,29 @@ def load_html(series: dict[str, list[dict]], path: Path, title: str) -> Path:
     fig.update_layout(title=title, height=480)
     fig.write_html(str(path), include_plotlyjs=True, full_html=True)
     return path
+
+
+def kv_position_png(series: dict[str, list[tuple[float, float, float]]], path: Path, title: str) -> Path:
+    """KL against position, one line per point: ``(bucket midpoint, mean
+    KL, se over windows)`` per bucket, error bars at +-1 se; both axes log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for name, pts in series.items():
+        pts = sorted(p for p in pts if p[1] > 0)  # an exact cache's 0 has no place on a log axis
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], fmt="-o", ms=4,
+                    capsize=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("position in the window (bucket midpoint) [tokens]")
+    ax.set_ylabel("KL against the uncached pass [nats]")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="best")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -347,9 +347,25 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
     return "\n".join(lines), recs
 
 
+def _tokens(n: str) -> int:
+    return int(n[:-1]) * 1024 if n.endswith("k") else int(n)
+
+
 def _bucket_start(key: str) -> int:
-    lo = key.split("_")[-2]
-    return int(lo[:-1]) * 1024 if lo.endswith("k") else int(lo)
+    return _tokens(key.split("_")[-2])
+
+
+def kv_position_series(runs) -> dict[str, list[tuple[float, float, float]]]:
+    """Per point that ran the position probe: ``(bucket midpoint, KL, se)`` per bucket."""
+    out = {}
+    for r in runs:
+        m = r.data.metrics
+        if not tracking.done(r) or "kvpos/windows" not in m:
+            continue
+        out[r.info.run_name] = [((_tokens(k.split("_")[-2]) + _tokens(k.split("_")[-1])) / 2, m[k],
+                                 m.get(k + "_stderr", 0.0))
+                                for k in m if k.startswith("kvpos/kl_") and not k.endswith("_stderr")]
+    return out
 
 
 def kv_position_table(runs) -> str:
@@ -371,6 +387,34 @@ def kv_position_table(runs) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+def passkey_table(runs) -> str:
+    """Markdown: each point's passkey accuracy by prompt length with its
+    95 % Wilson interval, the same engine's accuracy without a cache, and the
+    key's NLL through the cache minus without it (± se over trials); ''
+    when no point ran the passkey probe."""
+    done = [r for r in runs if tracking.done(r) and "passkey/trials" in r.data.metrics]
+    if not done:
+        return ""
+    keys = sorted({k for r in done for k in r.data.metrics
+                   if k.startswith("passkey/acc_") and k.removeprefix("passkey/acc_").rstrip("k").isdigit()},
+                  key=lambda k: _tokens(k.removeprefix("passkey/acc_")))
+    head = ["point", *(f"{k.removeprefix('passkey/acc_')} tokens" for k in keys), "without cache",
+            "key NLL cached - uncached"]
+
+    def cell(m, k):
+        return f"{m[k]:.2f} [{m[k + '_lower']:.2f}, {m[k + '_upper']:.2f}]" if k in m else "-"
+
+    rows = [[r.info.run_name, *(cell(r.data.metrics, k) for k in keys),
+             f"{r.data.metrics['passkey/acc_nocache']:.2f}" if "passkey/acc_nocache" in r.data.metrics else "-",
+             f"{r.data.metrics['passkey/dnll']:+.3f}±{r.data.metrics.get('passkey/dnll_stderr', float('nan')):.3f}"
+             if "passkey/dnll" in r.data.metrics else "-"] for r in done]
+    lines = ["Passkey retrieval (greedy decoding finds the key, by prompt length over every depth, 95 % Wilson "
+             "interval; the same engine without a cache; the key's NLL in nats through the cache minus without "
+             "it, ± se over trials; acc/passkey is a decision metric: --metric acc/passkey):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def time_table(runs, reused: set[str] = frozenset()) -> str:
     """Wall seconds each point spent per stage (``time/<stage>_s``), stages in
     pipeline order, and the sweep's sum: where a sweep's time goes. Reused
@@ -378,8 +422,8 @@ def time_table(runs, reused: set[str] = frozenset()) -> str:
     timed = [r for r in runs if f"{TIME_PREFIX}point_s" in r.data.metrics]
     if not timed:
         return ""
-    order = ("model", "reference", "apply", "engine", "fidelity", "perplexity", "accuracy", "cache", "latency",
-             "load", "point")
+    order = ("model", "reference", "apply", "engine", "fidelity", "perplexity", "accuracy", "cache", "kv_position",
+             "passkey", "latency", "load", "point")
     stages = [s for s in order if any(f"{TIME_PREFIX}{s}_s" in r.data.metrics for r in timed)]
     head = ["point", *("total" if s == "point" else s for s in stages)]
     rows = [[r.info.run_name + (" (reused)" if r.info.run_id in reused else ""),
@@ -478,11 +522,15 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
     paired_text = paired_table(runs, base, items) if base is not None else ""
     times = time_table(runs, {r.info.run_id for r in reused})
     kv_positions = kv_position_table(runs)
+    retrieval = passkey_table(runs)
     out = Path(out_dir or tempfile.mkdtemp(prefix="quantlab-report-"))
     out.mkdir(parents=True, exist_ok=True)
+    if series := kv_position_series(runs):
+        plots.kv_position_png(series, out / "kv_position.png", f"quantlab sweep {sweep}: KV cache error by position")
+        kv_positions += "\n\n![KL by position](kv_position.png)"
     body = (f"# Sweep {sweep} ({parent_id})\n\n{table(runs, {r.info.run_id for r in reused}, base, items)}\n\n"
             + (paired_text + "\n\n" if paired_text else "") + f"{text}\n\n"
-            + (kv_positions + "\n\n" if kv_positions else "")
+            + (kv_positions + "\n\n" if kv_positions else "") + (retrieval + "\n\n" if retrieval else "")
             + (times + "\n\n" if times else "") + next_steps(runs, recs, sweep, parent_id, out, log_to_run) + "\n")
     serving, serving_files = serving_report.section(tracker, runs, out, f"quantlab sweep {sweep}: load")
     if serving:
@@ -499,7 +547,7 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
         plots.html(panels, label, out / "pareto.html", title)
     if log_to_run:
         parent = tracker.run(parent_id)
-        for f in ("report.md", "pareto.png", "pareto.html", *serving_files, *size_files):
+        for f in ("report.md", "pareto.png", "pareto.html", "kv_position.png", *serving_files, *size_files):
             if (out / f).is_file():
                 parent.log_files(out / f)
         by_name = {r.info.run_name: r.info.run_id for r in runs}

@@ -14,8 +14,8 @@ import torch
 from quantlab import corpus, plots, point
 from quantlab.config import RunConfig
 from quantlab.engines.pytorch import TorchEngine
-from quantlab.probes import (accuracy, accuracy_adaptive, energy, fidelity, kv_capacity, kv_position, latency,
-                             load, perplexity, roofline, stages)
+from quantlab.probes import (accuracy, accuracy_adaptive, energy, fidelity, kv_capacity, kv_position, latency, load,
+                             passkey, perplexity, roofline, stages)
 from quantlab.probes import cache as cache_probe
 from quantlab.probes.base import ProbeContext, ProbeResult
 
@@ -171,6 +171,30 @@ class KVPositionProbe:
         out.metrics.update(metrics)
         out.items.update(items)
         out.tags["kvpos.first_over"] = over or f"none to {c.length} tokens (KL tolerance {c.tolerance:g})"
+        return out
+
+
+class PasskeyProbe:
+    """Retrieval at a distance through the point's cache: the passkey task by
+    length and depth (:mod:`quantlab.probes.passkey`)."""
+
+    name, order, contention_metric = "passkey", 46, None
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return cfg.probe.passkey.enabled
+
+    def run(self, ctx: ProbeContext) -> ProbeResult:
+        c, out = ctx.cfg.probe.passkey, ProbeResult()
+        cells = passkey.trials(ctx.tokenizer, c.lengths, c.depths, c.trials, c.digits, ctx.cfg.seed)
+        ctx.log("passkey (%d lengths x %d depths x %d keys of %d digits, chunk %d)", len(c.lengths),
+                len(c.depths), c.trials, c.digits, c.chunk)
+        metrics, items, table = passkey.probe(ctx.engine, cells, c.chunk, ctx.log)
+        out.metrics.update(metrics)
+        out.items.update(items)
+        out.artifacts["passkey.md"] = (f"Passkey found by greedy decoding through the cache, trials per cell "
+                                       f"(length in tokens x depth of the key):\n\n{table}\n")
+        if ctx.engine.cannot("cache"):
+            out.tags["passkey.reference"] = f"none: {ctx.engine.cannot('cache')}"
         return out
 
 
