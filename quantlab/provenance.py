@@ -72,8 +72,9 @@ def data_files(cfg) -> list[str]:
         files.add(WIKITEXT)
     if p.accuracy.enabled:
         files.update(f for t in p.accuracy.tasks for f in LOCAL_FILES.get(t, []))
-    if name := cfg.scheme.weights.calibration_set():
-        files.update(calibration.files(name))
+    for scheme in (cfg.scheme.weights, cfg.scheme.kv):
+        if name := scheme.calibration_set():
+            files.update(calibration.files(name))
     return sorted(files)
 
 

@@ -97,8 +97,8 @@ def test_int4_kv_rejects_what_it_cannot_group():
         Int4Layer(group_size=32, residual_length=4).update(_kv(t=3), _kv(t=3))
 
 
-def _probe(model, wins, cfg, kv):
-    engine = TorchEngine(model, cache_factory=cache_factory(kv))
+def _probe(model, wins, cfg, kv, factory=None):
+    engine = TorchEngine(model, cache_factory=factory or cache_factory(kv))
     return cache_probe.probe(engine, model.config, wins, cfg, model.get_input_embeddings().weight.element_size())
 
 
@@ -150,3 +150,90 @@ def test_kv_scheme_combines_with_weight_schemes(tmp_path, weights):
     result = run_point(cfg)
     assert result.outcome == "finished", result.reason
     assert result.name == f"{cfg.scheme.weights.short_name()}+kv8@cpu"
+
+
+def test_calibration_records_the_maxima_the_cache_would_store():
+    """calibrate(): per layer and KV head, the absolute maxima of exactly the
+    keys (after RoPE) and values a DynamicCache stores for the same windows."""
+    from quantlab.schemes.kv import calibrate
+
+    model = models.tiny_model(ModelConfig(name="tiny", source="tiny"))
+    ids = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(0))
+    amax = calibrate(model, ids)
+    ref = [(torch.zeros(2), torch.zeros(2)) for _ in amax]
+    for row in ids:
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=row[None], cache=cache, use_cache=True)
+        for i, layer in enumerate(cache.layers):
+            ref[i] = (torch.maximum(ref[i][0], layer.keys.abs().float().amax(dim=(0, 2, 3))),
+                      torch.maximum(ref[i][1], layer.values.abs().float().amax(dim=(0, 2, 3))))
+    assert len(amax) == model.config.num_hidden_layers
+    for (k, v), (rk, rv) in zip(amax, ref):
+        assert k.shape == (model.config.num_key_value_heads,) and torch.equal(k, rk) and torch.equal(v, rv)
+
+
+def test_calibrated_int8_scales_are_fixed_and_saturate_past_the_calibration():
+    amax = [(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([0.5, 1.0, 8.0]))]
+    factory = cache_factory(Int8KV("calibrated"), amax)  # KVCache(layer_factory, config=...), as the probes get it
+    cache_layer = factory.args[0](0)
+    assert factory.func.__name__ == "KVCache" and isinstance(cache_layer, Int8Layer)
+    k, v = _kv(), _kv(seed=1)
+    out_k, _ = cache_layer.update(k, v)
+    assert torch.equal(out_k, k)  # the prefill attends its own states, as every quantized layer's
+    cache_layer.update(_kv(t=1, seed=2), _kv(t=1, seed=3))
+    sk = cache_layer._quantized_keys[1]
+    assert torch.allclose(sk.flatten(), torch.tensor([1.0, 2.0, 4.0]) / 127)  # the calibration's, not the prefill's
+    deq = cache_layer._dequantize(cache_layer._quantized_keys)[:, :, :40]
+    inside = k.abs() <= torch.tensor([1.0, 2.0, 4.0])[None, :, None, None]
+    assert torch.all((deq - k).abs()[inside] <= sk.expand_as(k)[inside] / 2 + 1e-6)
+    assert torch.allclose(deq[~inside].abs(), (127 * sk).expand_as(k)[~inside])  # saturated, not wrapped
+    with pytest.raises(ValueError, match="kv8-cal: calibrated scales need the calibration's maxima"):
+        cache_factory(Int8KV("calibrated"))
+
+
+def test_calibrated_fp8_saturates_instead_of_making_nans():
+    from quantlab.schemes.kv import Fp8CalibratedLayer
+
+    layer = cache_factory(FP8KV(scales="calibrated"), [(torch.tensor([0.5, 1.0]), torch.tensor([1.0, 2.0]))]).args[0](0)
+    assert isinstance(layer, Fp8CalibratedLayer)
+    assert layer.k_scale == pytest.approx(1.0 / 448) and layer.v_scale == pytest.approx(2.0 / 448)  # per tensor
+    big = _kv(h=2) * 100  # far past the calibration's maxima
+    layer.update(big, big)
+    layer.update(big[:, :, :1], big[:, :, :1])
+    out = layer._dequantize(layer._quantized_keys)
+    assert torch.isfinite(out).all() and out.abs().max() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_calibrated_presets_name_their_points_and_refuse_what_would_not_use_the_scales():
+    from quantlab.schemes.kv import gguf, vllm
+    from tests.conftest import compose_cfg
+
+    assert compose_cfg(["scheme/kv=int8-cal"]).scheme.kv.short_name() == "kv8-cal"
+    fp8 = compose_cfg(["scheme/kv=fp8-cal"]).scheme.kv
+    assert fp8.short_name() == "kvfp8-cal" and fp8.calibration_set() == "wiki"
+    assert "k_scale/v_scale are not written into the export" in vllm(fp8).reason
+    assert "takes no calibrated scales" in gguf(Int8KV("calibrated")).reason
+    assert vllm(FP8KV()).spec == {"kv_cache_dtype": "fp8"} and gguf(Int8KV()).spec == {"type": "Q8_0"}
+    with pytest.raises(ValueError, match="fp8 kv scales 'dynamic'; valid: prefill, calibrated"):
+        FP8KV(scales="dynamic")
+
+
+@pytest.mark.parametrize("kv", [Int8KV("calibrated"), FP8KV(scales="calibrated")])
+def test_a_calibrated_point_logs_its_scales_and_measures_its_cache(kv, tmp_path):
+    """Applied on a point: scales from the calibration set (the built-in text
+    here, tagged as the fallback), the cache probe's KL small but not 0."""
+    from quantlab.schemes.kv import apply
+    from quantlab.schemes.registry import ApplyContext
+    from quantlab.hardware import cpu
+
+    model, tok = models.tiny_model(ModelConfig(name="tiny", source="tiny")), models.byte_tokenizer()
+    ctx = ApplyContext(hw=cpu(), tokenizer=tok, cache_dir=str(tmp_path), data_dir=None, seed=0)
+    applied = apply(model, kv, ctx)
+    assert applied.tags["kv.calibration"] == "builtin" and "kv.calibration.fallback" in applied.tags
+    lo, hi = map(float, applied.tags["kv.calibrated.k_amax"].split(".."))
+    assert 0 < lo <= hi
+    wins = corpus.token_ids(tok, "builtin", 2 * 160).reshape(2, 160)
+    cfg = CacheProbeConfig(enabled=True, prefix_tokens=96, continuation_tokens=64, chunk=1)
+    kl = _probe(model, wins, cfg, kv, applied.cache_factory)["kvfid/kl_mean"]
+    assert 0 < kl < 0.05

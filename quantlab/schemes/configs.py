@@ -263,11 +263,18 @@ class NoKV(KVScheme):
 class Int8KV(KVScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.kv"
     LABEL: ClassVar[str] = "int8 kv"
-    # static: per head from the prefill; dynamic: per head and token
-    scales: str = field(default="static", metadata={"choices": ("static", "dynamic")})
+    # static: per head from the prefill; dynamic: per head and token; calibrated: per head from
+    # ``n_samples`` windows of ``seq_len`` tokens of the calibration set, fixed before any request
+    scales: str = field(default="static", metadata={"choices": ("static", "dynamic", "calibrated")})
+    calibration: str = "wiki"
+    n_samples: int = field(default=16, metadata={"min": 1})
+    seq_len: int = field(default=512, metadata={"min": 2})
 
     def short_name(self) -> str:
-        return "kv8" if self.scales == "static" else "kv8-dyn"
+        return {"static": "kv8", "dynamic": "kv8-dyn", "calibrated": "kv8-cal"}[self.scales]
+
+    def calibration_set(self) -> str | None:
+        return self.calibration if self.scales == "calibrated" else None
 
 
 @dataclass
@@ -284,7 +291,17 @@ class Int4KV(KVScheme):
 @dataclass
 class FP8KV(KVScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.kv"
+    LABEL: ClassVar[str] = "fp8 kv"
+    # prefill: one scale per tensor from the prefill (transformers' Fp8QuantizedLayer); calibrated: one
+    # per tensor from the calibration set (llm-compressor's and vLLM's k_scale / v_scale), fixed
+    scales: str = field(default="prefill", metadata={"choices": ("prefill", "calibrated")})
+    calibration: str = "wiki"
+    n_samples: int = field(default=16, metadata={"min": 1})
+    seq_len: int = field(default=512, metadata={"min": 2})
 
     def short_name(self) -> str:
-        return "kvfp8"
+        return "kvfp8" if self.scales == "prefill" else "kvfp8-cal"
+
+    def calibration_set(self) -> str | None:
+        return self.calibration if self.scales == "calibrated" else None
 

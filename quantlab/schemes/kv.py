@@ -3,12 +3,21 @@
 * ``none``: transformers' ``DynamicCache`` in the model's dtype.
 * ``int8``: int8 storage with symmetric scales per attention head (keys and
   values apart), computed from the prefill and frozen for decode (``static``),
-  or per head and token (``dynamic``). New tokens are appended as int8.
+  per head and token (``dynamic``), or per head from the calibration set before
+  any request (``calibrated``: what a deployment fixes once). New tokens are
+  appended as int8.
 * ``int4``: KIVI: keys per channel, values per token, in groups, packed two
   per byte; tokens are quantized a whole group at a time, once, and the newest
   ``residual_length`` (up to ``residual_length + group_size - 1``) stay in full
   precision (see :class:`Int4Layer`).
-* ``fp8``: transformers' own ``Fp8QuantizedLayer`` (E4M3, per-tensor scale).
+* ``fp8``: transformers' own ``Fp8QuantizedLayer`` (E4M3, per-tensor scale
+  from the prefill), or one scale per tensor from the calibration set
+  (``calibrated``: vLLM's ``k_scale`` / ``v_scale``), values past it saturated.
+
+Calibrated scales (:func:`calibrate`) are the absolute maxima of the keys and
+values the point itself (its quantized weights) writes into its cache over the
+calibration windows, per layer and head, keys after RoPE, as the cache stores
+them.
 
 Every quantized layer dequantizes on read, so attention itself runs in the
 compute dtype: on CPU a quantized cache saves memory, not time.
@@ -18,7 +27,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, Fp8QuantizedLayer
+from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, DynamicLayer, Fp8QuantizedLayer
 
 from quantlab.schemes.base import KVScheme
 from quantlab.schemes.configs import FP8KV, Int4KV, Int8KV, NoKV
@@ -30,9 +39,11 @@ class Int8Layer(BaseQuantizedLayer):
     """int8 K/V ``[B, H, T, D]`` with symmetric scales ``[1, H, 1, 1]`` (static)
     or ``[B, H, T, 1]`` (dynamic); appendable, no full-precision copy kept."""
 
-    def __init__(self, dynamic: bool):
+    def __init__(self, dynamic: bool, fixed: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``fixed``: calibrated (key, value) scales ``[1, H, 1, 1]``, used
+        instead of the prefill's (values past them saturate at +-127)."""
         super().__init__()
-        self.dynamic = dynamic
+        self.dynamic, self.fixed = dynamic, fixed
 
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
         dims = (-1,) if self.dynamic else (0, 2, 3)
@@ -50,9 +61,10 @@ class Int8Layer(BaseQuantizedLayer):
         self.cumulative_length += key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self._quantized_keys = self._quantize(key_states)
-            self._quantized_values = self._quantize(value_states)
-            return key_states, value_states
+            k_scale, v_scale = self.fixed or (None, None)
+            self._quantized_keys = self._quantize(key_states, k_scale)
+            self._quantized_values = self._quantize(value_states, v_scale)
+            return key_states, value_states  # the prefill attends its own states, as in every quantized layer
         pairs = []
         for stored, new in ((self._quantized_keys, key_states), (self._quantized_values, value_states)):
             q, s = self._quantize(new, stored[1])
@@ -152,25 +164,87 @@ class Int4Layer(BaseQuantizedLayer):
         return 0 if self._quantized_values is None else self._quantized_values[0].shape[-2]
 
 
+class Fp8CalibratedLayer(Fp8QuantizedLayer):
+    """FP8 E4M3 with fixed per-tensor scales (keys and values apart), values
+    past ``448 * scale`` saturated (a plain cast would make them NaN)."""
+
+    def __init__(self, k_scale: torch.Tensor, v_scale: torch.Tensor):
+        super().__init__()
+        self.k_scale, self.v_scale = k_scale, v_scale
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        DynamicLayer.lazy_initialization(self, key_states, value_states)
+        self._quantized_keys = self._quantize(key_states, self.k_scale)
+        self._quantized_values = self._quantize(value_states, self.v_scale)
+
+    def _quantize(self, tensor, scale=None):
+        return (tensor.float() / scale).clamp(-self.fp8_max, self.fp8_max).to(self.fp8_dtype), scale
+
+
 class KVCache(Cache):
-    """A cache whose layers are all of one quantized layer type."""
+    """A cache of quantized layers, ``layer_factory(i)`` making layer ``i``."""
 
     def __init__(self, layer_factory, config):
         n = config.get_text_config(decoder=True).num_hidden_layers
-        super().__init__(layers=[layer_factory() for _ in range(n)])
+        super().__init__(layers=[layer_factory(i) for i in range(n)])
 
 
-def cache_factory(cfg: KVScheme):
-    """``factory(config=model_config) -> Cache`` for the latency and cache probes."""
+class _Recorder(DynamicLayer):
+    """Keeps the per-head absolute maxima of the K/V it is given and stores
+    nothing: each window is one forward, attending its own states."""
+
+    def __init__(self):
+        super().__init__()
+        self.k_amax = self.v_amax = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        k, v = (x.detach().abs().float().amax(dim=(0, 2, 3)) for x in (key_states, value_states))
+        self.k_amax = k if self.k_amax is None else torch.maximum(self.k_amax, k)
+        self.v_amax = v if self.v_amax is None else torch.maximum(self.v_amax, v)
+        return key_states, value_states
+
+
+@torch.inference_mode()
+def calibrate(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (key, value) absolute maxima ``[H]`` (per KV head) over
+    the windows ``ids: [N, T]``, as the model writes them into its cache."""
+    device = model.get_input_embeddings().weight.device
+    cache = KVCache(lambda i: _Recorder(), model.config)
+    for row in ids:
+        model(input_ids=row[None].to(device), cache=cache, use_cache=True, logits_to_keep=1)
+    return [(layer.k_amax, layer.v_amax) for layer in cache.layers]
+
+
+def cache_factory(cfg: KVScheme, amax: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """``factory(config=model_config) -> Cache`` for the latency and cache
+    probes; ``amax``: :func:`calibrate`'s maxima, for calibrated scales."""
     if isinstance(cfg, NoKV):
         return DynamicCache
+    calibrated = getattr(cfg, "scales", "") == "calibrated"
+    if calibrated and amax is None:
+        raise ValueError(f"{cfg.short_name()}: calibrated scales need the calibration's maxima")
     if isinstance(cfg, Int8KV):
-        return partial(KVCache, partial(Int8Layer, cfg.scales == "dynamic"))
+        if calibrated:
+            scales = [tuple((a.clamp_min(1e-8) / 127.0).view(1, -1, 1, 1) for a in kv) for kv in amax]
+            return partial(KVCache, lambda i: Int8Layer(False, scales[i]))
+        return partial(KVCache, lambda i: Int8Layer(cfg.scales == "dynamic"))
     if isinstance(cfg, Int4KV):
-        return partial(KVCache, partial(Int4Layer, cfg.group_size, cfg.residual_length))
+        return partial(KVCache, lambda i: Int4Layer(cfg.group_size, cfg.residual_length))
     if isinstance(cfg, FP8KV):
-        return partial(KVCache, Fp8QuantizedLayer)
+        if calibrated:
+            top = Fp8QuantizedLayer.fp8_max
+            scales = [tuple((a.max().clamp_min(1e-8) / top) for a in kv) for kv in amax]
+            return partial(KVCache, lambda i: Fp8CalibratedLayer(*scales[i]))
+        return partial(KVCache, lambda i: Fp8QuantizedLayer())
     raise TypeError(f"no cache for {type(cfg).__name__}")
+
+
+def scale_tags(amax: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, str]:
+    """What the run says about calibrated maxima: their range over layers and heads."""
+    k = torch.stack([a for a, _ in amax])
+    v = torch.stack([b for _, b in amax])
+    return {"kv.calibrated.k_amax": f"{k.min():.3g}..{k.max():.3g}",
+            "kv.calibrated.v_amax": f"{v.min():.3g}..{v.max():.3g}"}
 
 
 def cache_bytes(cache: Cache) -> int:
@@ -192,10 +266,21 @@ def support(cfg: KVScheme, hw: Hardware) -> Support:
 
 
 def apply(model: torch.nn.Module, cfg: KVScheme, ctx: ApplyContext) -> Applied:
-    backend = {NoKV: "transformers.DynamicCache", Int8KV: f"quantlab.Int8Layer({getattr(cfg, 'scales', '')})",
+    """The cache factory; calibrated scales are measured here, on the point's
+    own (already quantized) model."""
+    scales = getattr(cfg, "scales", "")
+    backend = {NoKV: "transformers.DynamicCache", Int8KV: f"quantlab.Int8Layer({scales})",
                Int4KV: "quantlab.Int4Layer(KIVI)",
-               FP8KV: "transformers.Fp8QuantizedLayer"}[type(cfg)]
-    return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg), config=cfg)
+               FP8KV: "transformers.Fp8QuantizedLayer" if scales != "calibrated" else
+               "quantlab.Fp8CalibratedLayer"}[type(cfg)]
+    if scales != "calibrated":
+        return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg), config=cfg)
+    from quantlab import calibration
+
+    ids, tags = calibration.batch_or_builtin(cfg.calibration, cfg.short_name(), ctx, cfg.n_samples, cfg.seq_len)
+    amax = calibrate(model, ids)
+    return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg, amax), config=cfg,
+                   tags={**{f"kv.{k}": v for k, v in tags.items()}, **scale_tags(amax)})
 
 
 _GGUF_CACHE = {NoKV: "F16", Int8KV: "Q8_0", Int4KV: "Q4_0"}
@@ -206,6 +291,9 @@ def gguf(cfg: KVScheme) -> Mapping:
     dimension, one fp16 scale each (dynamic, not quantlab's per-head scales)."""
     if type(cfg) not in _GGUF_CACHE:
         return Mapping(reason=f"llama.cpp has no cache type for {cfg.short_name()} (q8_0 and q4_0 only)")
+    if getattr(cfg, "scales", "") == "calibrated":
+        return Mapping(reason=f"{cfg.short_name()}: llama.cpp's q8_0 cache scales each block as it is written; "
+                              f"it takes no calibrated scales")
     return Mapping({"type": _GGUF_CACHE[type(cfg)]})
 
 
@@ -217,6 +305,9 @@ def vllm(cfg: KVScheme) -> Mapping:
     none; quantlab's int8 and int4 layouts have no vLLM counterpart."""
     if type(cfg) not in _VLLM_CACHE:
         return Mapping(reason=f"{cfg.short_name()}: quantlab's cache layout has no vLLM --kv-cache-dtype (fp8 maps)")
+    if getattr(cfg, "scales", "") == "calibrated":
+        return Mapping(reason=f"{cfg.short_name()}: the calibrated k_scale/v_scale are not written into the export "
+                              f"yet, so vLLM would serve its own scales, not the ones measured")
     return Mapping({"kv_cache_dtype": _VLLM_CACHE[type(cfg)]})
 
 
