@@ -36,7 +36,7 @@ def test_the_key_is_where_the_trial_says(length, depth, digits, index, seed):
     key = pk.key_for(seed, length, depth, index, digits)
     t = pk.build(TOK, length, depth, key, index)
     assert len(key) == digits and key[0] != "0"
-    assert t.prompt_tokens == length and _text(t.answer) == key  # the prompt is exactly `length` tokens
+    assert t.prompt_tokens == length and _text(t.answer) == " " + key  # the prompt is exactly `length` tokens
     needle = pk.NEEDLE.format(key=key)
     assert _text(t.ids[t.needle_at:t.needle_at + len(TOK(needle, add_special_tokens=False)["input_ids"])]) == needle
     prompt = _text(t.ids[:t.prompt_tokens])

@@ -82,13 +82,16 @@ def key_for(seed: int, length: int, depth: float, index: int, digits: int) -> st
 def build(tokenizer, length: int, depth: float, key: str, index: int = 0) -> Trial:
     """The prompt of ``length`` tokens with the needle at ``depth`` of the
     filler (snapped to the nearest start of a filler sentence, or the
-    filler's end); raises UserError (the probe is then skipped, with the
-    reason) when ``length`` cannot hold the intro, needle and question."""
+    filler's end); the answer is the tokens that follow "is" in the needle
+    (the space, then the key). Raises UserError (the probe is then skipped,
+    with the reason) when ``length`` cannot hold the intro, needle and
+    question."""
     intro, question = _tok(tokenizer, INTRO), _tok(tokenizer, QUESTION)
     needle = _tok(tokenizer, NEEDLE.format(key=key))
-    stem = _tok(tokenizer, NEEDLE.split("{key}")[0])  # " The pass key is"
-    answer = _tok(tokenizer, NEEDLE.split("{key}")[0] + key)[len(stem):]
-    if _tok(tokenizer, NEEDLE.split("{key}")[0] + key) != needle[:len(stem) + len(answer)]:
+    said = NEEDLE.split("{key}")[0]  # " The pass key is "
+    stem, full = _tok(tokenizer, said.rstrip()), _tok(tokenizer, said + key)
+    answer = full[len(stem):]
+    if full[:len(stem)] != stem or full != needle[:len(full)]:
         raise ValueError(f"the tokenizer splits the key differently inside the needle: {key}")
     fill = length - len(intro) - len(needle) - len(question)
     if fill < 0:
