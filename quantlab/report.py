@@ -325,7 +325,10 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
         rec = fastest_within(ranked, b, alpha=alpha)
         recs[b] = rec
         what = (f"KL <= {b:g}" if kl else f"{b:.0%} loss") + (f" (post hoc: {post_hoc[b]})" if b in post_hoc else "")
-        if rec.point is None:
+        if rec.point is None and not ranked and mem:
+            lines.append(f"- Within {what}: nothing to rank: no point measured {key} (its probe was off), so "
+                         f"none is picked; the losses above still stand.")
+        elif rec.point is None:
             lines.append(f"- Within {what}: no real point qualifies.")
         else:
             best = "Fastest" if by == "tpot" else "Most capacity"
