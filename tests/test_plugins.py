@@ -81,12 +81,13 @@ def test_quantlabs_own_probes_are_entry_points_in_run_order():
     from quantlab.probes import runner
 
     names = [p.name for p in runner.registered()]
-    assert names == ["fidelity", "perplexity", "accuracy", "cache", "kv_position", "latency", "load"]
+    assert names == ["fidelity", "perplexity", "accuracy", "cache", "kv_position", "passkey", "latency", "load"]
     text = (REPO / "pyproject.toml").read_text()
     assert all(f'{n} = "quantlab.probes.standard:' in text for n in names)
 
 
-@pytest.mark.parametrize("probe", ["fidelity", "perplexity", "accuracy", "cache", "kv_position", "latency", "load"])
+@pytest.mark.parametrize("probe", ["fidelity", "perplexity", "accuracy", "cache", "kv_position", "passkey", "latency",
+                                   "load"])
 def test_every_probe_is_switched_by_its_own_section(probe):
     """enabled() reads probe.<name>.enabled: the runner runs exactly what the config asks."""
     from quantlab.probes import runner
