@@ -351,6 +351,7 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
 
 
 def _tokens(n: str) -> int:
+    """The inverse of :func:`quantlab.probes.kv_position.tokens_name`: ``1k`` -> 1024."""
     return int(n[:-1]) * 1024 if n.endswith("k") else int(n)
 
 

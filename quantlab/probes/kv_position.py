@@ -31,11 +31,14 @@ def bucket_edges(edges: list[int], length: int) -> list[tuple[int, int]]:
     return out
 
 
+def tokens_name(n: int) -> str:
+    """A token count in a metric name: ``256``, ``1k`` (multiples of 1024), ``0``."""
+    return f"{n // 1024}k" if n and n % 1024 == 0 else str(n)
+
+
 def bucket_name(lo: int, hi: int) -> str:
     """``0_256``, ``256_1k``, ``1k_2k``: compact, sortable in metric names."""
-    def short(n: int) -> str:
-        return f"{n // 1024}k" if n and n % 1024 == 0 else str(n)
-    return f"{short(lo)}_{short(hi)}"
+    return f"{tokens_name(lo)}_{tokens_name(hi)}"
 
 
 def bucket_stats(values: np.ndarray, buckets: list[tuple[int, int]]) -> list[dict[str, float]]:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from quantlab.errors import UserError
+from quantlab.probes.kv_position import tokens_name
 from quantlab.uncertainty import mean_stderr, wilson_upper
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize "
@@ -158,10 +159,6 @@ def wilson(hits: int, n: int, level: float = 0.95) -> tuple[float, float]:
     return 1.0 - wilson_upper(1.0 - p, n, alpha), wilson_upper(p, n, alpha)
 
 
-def _length_name(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
 def summarize(rows: list[dict], cached: bool) -> tuple[dict[str, float], dict[str, list], str]:
     """Metrics, items and a markdown table of per-trial ``rows`` (keys
     ``id, length, depth, match, nll`` and, with a cache-free reference,
@@ -190,7 +187,7 @@ def summarize(rows: list[dict], cached: bool) -> tuple[dict[str, float], dict[st
     for L in lengths:
         hits = [r["match"] for r in rows if r["length"] == L]
         lo, hi = wilson(int(sum(hits)), len(hits))
-        key = f"passkey/acc_{_length_name(L)}"
+        key = f"passkey/acc_{tokens_name(L)}"
         metrics.update({key: sum(hits) / len(hits), f"{key}_lower": lo, f"{key}_upper": hi})
     head = ["length \\ depth", *(f"{d:g}" for d in depths), "all (95 % Wilson)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -199,14 +196,15 @@ def summarize(rows: list[dict], cached: bool) -> tuple[dict[str, float], dict[st
         for d in depths:
             hits = [r["match"] for r in rows if r["length"] == L and r["depth"] == d]
             cells.append(f"{int(sum(hits))}/{len(hits)}")
-        key = f"passkey/acc_{_length_name(L)}"
+        key = f"passkey/acc_{tokens_name(L)}"
         cells.append(f"{metrics[key]:.2f} [{metrics[key + '_lower']:.2f}, {metrics[key + '_upper']:.2f}]")
         lines.append("| " + " | ".join([str(L), *cells]) + " |")
     return metrics, items, "\n".join(lines)
 
 
 def probe(engine, trials_: list[Trial], chunk: int, log=None) -> tuple[dict[str, float], dict[str, list], str]:
-    """Score every trial on ``engine``; see :func:`summarize`."""
+    """Score every trial on ``engine`` (through its cache where ``cannot("cache")``
+    is empty, else by its greedy answer); see :func:`summarize`."""
     cached = not engine.cannot("cache")
     rows = []
     for k, t in enumerate(trials_):

@@ -193,8 +193,8 @@ class PasskeyProbe:
         out.items.update(items)
         out.artifacts["passkey.md"] = (f"Passkey found by greedy decoding through the cache, trials per cell "
                                        f"(length in tokens x depth of the key):\n\n{table}\n")
-        if ctx.engine.cannot("cache"):
-            out.tags["passkey.reference"] = f"none: {ctx.engine.cannot('cache')}"
+        if why := ctx.engine.cannot("cache"):
+            out.tags["passkey.reference"] = f"none: {why}"
         return out
 
 

@@ -45,9 +45,13 @@ class Int8Layer(BaseQuantizedLayer):
         super().__init__()
         self.dynamic, self.fixed = dynamic, fixed
 
+    @staticmethod
+    def scale_of(amax: torch.Tensor) -> torch.Tensor:
+        """The symmetric int8 scale of absolute maxima ``amax``."""
+        return (amax.float() / 127.0).clamp_min(1e-8)
+
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
-        dims = (-1,) if self.dynamic else (0, 2, 3)
-        return (x.abs().amax(dim=dims, keepdim=True).float() / 127.0).clamp_min(1e-8)
+        return self.scale_of(x.abs().amax(dim=(-1,) if self.dynamic else (0, 2, 3), keepdim=True))
 
     def _quantize(self, x: torch.Tensor, scale: torch.Tensor | None = None):
         scale = self._scale(x) if scale is None or self.dynamic else scale
@@ -225,7 +229,7 @@ def cache_factory(cfg: KVScheme, amax: list[tuple[torch.Tensor, torch.Tensor]] |
         raise ValueError(f"{cfg.short_name()}: calibrated scales need the calibration's maxima")
     if isinstance(cfg, Int8KV):
         if calibrated:
-            scales = [tuple((a.clamp_min(1e-8) / 127.0).view(1, -1, 1, 1) for a in kv) for kv in amax]
+            scales = [tuple(Int8Layer.scale_of(a).view(1, -1, 1, 1) for a in kv) for kv in amax]
             return partial(KVCache, lambda i: Int8Layer(False, scales[i]))
         return partial(KVCache, lambda i: Int8Layer(cfg.scales == "dynamic"))
     if isinstance(cfg, Int4KV):
