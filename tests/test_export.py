@@ -125,7 +125,7 @@ def test_export_holds_the_same_integers(store, tmp_path):
     run.export_run(tracker(client.tracking_uri).run(ids["int8"]), out)
     stored = _unpacked(load_file(out / "model.safetensors"), "model.layers.0.mlp.down_proj", 8)
     cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int8"], "config.yaml", str(tmp_path))).read_text()))
-    model = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
+    model, _ = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
     assert torch.equal(stored, model.model.layers[0].mlp.down_proj.qweight)
 
 
@@ -170,7 +170,7 @@ def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path)
     packed, zp = t["model.layers.0.mlp.down_proj.weight_packed"], t["model.layers.0.mlp.down_proj.weight_zero_point"]
     cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int4-g32"], "config.yaml",
                                                                          str(tmp_path))).read_text()))
-    model = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
+    model, _ = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
     q, scale, zero_point = model.model.layers[0].mlp.down_proj.int_weights()
     assert packed.dtype == torch.int32 and packed.numel() * 8 == q.numel()
     assert torch.equal(unpack_from_int32(packed, 4, q.shape).to(torch.int32), (q - 8).to(torch.int32))
@@ -368,3 +368,69 @@ def test_round_trip_verdict_needs_both_gates():
     far = {**ok, "kl_mean": 2e-3}
     assert "dequantized weights" in roundtrip.round_trip_verdict(far, 4.4e-3)["why"]
     assert roundtrip.round_trip_verdict({**ok, "kl_from_float": 0.0}, point_from_float=0.0)["passed"]  # float point
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_calibrated_fp8_kv_scales_travel_in_the_export(tmp_path, weights):
+    """An fp8-cal point's export holds ``kv_cache_scheme`` (static per-tensor
+    FP8, symmetric) and one ``k_scale``/``v_scale`` per attention layer, each
+    the largest key/value the point writes into its cache over the calibration
+    windows, over 448 (E4M3's top): recomputed here from the keys and values a
+    plain ``DynamicCache`` holds. A float checkpoint gets a compressed-tensors
+    config with no weight groups; the quantized one keeps its group. The round
+    trip (transformers' reload) passes."""
+    from transformers.cache_utils import DynamicCache
+
+    from quantlab import calibration, hardware
+    from quantlab.schemes.registry import ApplyContext
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    cfg = compose_cfg(["model=tiny", f"scheme/weights={weights}", "scheme/kv=fp8-cal", "scheme.kv.n_samples=4",
+                       "scheme.kv.seq_len=64", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a",
+                       "probe=smoke", "probe.latency.enabled=false", f"cache_dir={tmp_path}/c"])
+    rid = run_point(cfg).run_id
+    out = tmp_path / "out"
+    manifest = run.export_run(tracker(uri).run(rid), out)
+    assert manifest["round_trip"]["passed"], manifest["round_trip"]
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                                       "dynamic": False}
+    assert bool(qcfg["config_groups"]) == (weights == "int8")
+    tensors = load_file(out / "model.safetensors")
+    float_model, tok = models.load(cfg.model, cfg.cache_dir)
+    model, _ = run.rebuild(cfg, float_model, tok, kv=False)
+    ctx = ApplyContext(hw=hardware.cpu(), tokenizer=tok, cache_dir=cfg.cache_dir, data_dir=cfg.data_dir,
+                       seed=cfg.seed)
+    ids, _ = calibration.batch_or_builtin("wiki", "kvfp8-cal", ctx, 4, 64)
+    k_max = torch.zeros(2)
+    v_max = torch.zeros(2)
+    with torch.no_grad():
+        for row in ids:
+            cache = DynamicCache()
+            model(input_ids=row[None], past_key_values=cache, use_cache=True)
+            for i, layer in enumerate(cache.layers):
+                k_max[i] = max(k_max[i], layer.keys.float().abs().max())
+                v_max[i] = max(v_max[i], layer.values.float().abs().max())
+    for i in range(2):
+        for what, top in (("k", k_max[i]), ("v", v_max[i])):
+            scale = tensors[f"model.layers.{i}.self_attn.{what}_scale"]
+            assert scale.dtype == torch.float32 and scale.shape == (1,)
+            assert float(scale) == pytest.approx(float(top) / 448.0, rel=1e-6)
+
+
+def test_kv_scales_go_into_a_sharded_checkpoints_index(tmp_path):
+    """A sharded checkpoint gets the scales in their own file, named in its
+    index, which transformers follows (and ignores the scales)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300))
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    kv = {"kv_cache_scheme": {"num_bits": 8}, "tensors": {"model.layers.0.self_attn.k_scale": torch.tensor([0.5])}}
+    checkpoint.write_kv_scales(tmp_path, kv)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["model.layers.0.self_attn.k_scale"] == "kv_scales.safetensors"
+    assert load_file(tmp_path / "kv_scales.safetensors")["model.layers.0.self_attn.k_scale"].item() == 0.5
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["kv_cache_scheme"] == {
+        "num_bits": 8}
+    assert not list(tmp_path.glob("model.safetensors"))  # the shards were left as they were

@@ -205,16 +205,18 @@ def test_calibrated_fp8_saturates_instead_of_making_nans():
     assert torch.isfinite(out).all() and out.abs().max() == pytest.approx(1.0, rel=1e-6)
 
 
-def test_calibrated_presets_name_their_points_and_refuse_what_would_not_use_the_scales():
+def test_calibrated_presets_name_their_points_and_map_where_the_scales_go():
     from quantlab.schemes.kv import gguf, vllm
     from tests.conftest import compose_cfg
 
     assert compose_cfg(["scheme/kv=int8-cal"]).scheme.kv.short_name() == "kv8-cal"
     fp8 = compose_cfg(["scheme/kv=fp8-cal"]).scheme.kv
     assert fp8.short_name() == "kvfp8-cal" and fp8.calibration_set() == "wiki"
-    assert "k_scale/v_scale are not written into the export" in vllm(fp8).reason
+    assert vllm(fp8).spec == {"kv_cache_dtype": "fp8", "scales": "checkpoint"}  # the export carries them
+    assert vllm(FP8KV()).spec == {"kv_cache_dtype": "fp8", "scales": "1.0"}  # vLLM's default, not the prefill's
+    assert "no vLLM --kv-cache-dtype" in vllm(Int8KV("calibrated")).reason
     assert "takes no calibrated scales" in gguf(Int8KV("calibrated")).reason
-    assert vllm(FP8KV()).spec == {"kv_cache_dtype": "fp8"} and gguf(Int8KV()).spec == {"type": "Q8_0"}
+    assert gguf(Int8KV()).spec == {"type": "Q8_0"}
     with pytest.raises(ValueError, match="fp8 kv scales 'dynamic'; valid: prefill, calibrated"):
         FP8KV(scales="dynamic")
 
@@ -237,3 +239,18 @@ def test_a_calibrated_point_logs_its_scales_and_measures_its_cache(kv, tmp_path)
     cfg = CacheProbeConfig(enabled=True, prefix_tokens=96, continuation_tokens=64, chunk=1)
     kl = _probe(model, wins, cfg, kv, applied.cache_factory)["kvfid/kl_mean"]
     assert 0 < kl < 0.05
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), spread=st.floats(1e-3, 1e3))
+def test_the_toward_zero_e4m3_emulation_truncates(seed, spread):
+    """The parity benchmark's emulation of vLLM's CPU cache conversion: every
+    value maps to the largest E4M3 magnitude not above its own (same sign),
+    saturated at 448: checked against a search over E4M3's codes."""
+    from benchmarks.kv_vllm_parity import toward_zero_e4m3
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(seed), dtype=torch.float32) * spread
+    q = toward_zero_e4m3(x).float()
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # magnitudes, ascending
+    expected = torch.sign(x) * codes[torch.searchsorted(codes, x.abs().clamp(max=448.0), right=True) - 1]
+    assert torch.equal(q, expected)

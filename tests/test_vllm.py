@@ -218,6 +218,8 @@ def test_support_is_decided_per_scheme_cache_and_host(monkeypatch):
     kv8 = t.supports(w("fp32"), Int8KV())
     assert kv8.status == "unsupported" and "--kv-cache-dtype" in kv8.reason
     assert t.supports(w("fp32"), compose_cfg(["scheme/kv=fp8"]).scheme.kv).status == "real"
+    cal = t.supports(w("fp32"), compose_cfg(["scheme/kv=fp8-cal"]).scheme.kv)
+    assert cal.status == "real" and "read from the checkpoint" in cal.reason
     gpu = targets.get(VllmTargetConfig(python=FAKE, device="cuda"))
     monkeypatch.setattr(hardware, "cuda", lambda i=0: Hardware("cuda", "H200", frozenset()))
     for on_gpu in ("int8", "int4-g64", "fp8-e4m3"):
@@ -331,3 +333,41 @@ def test_load_probe_agrees_with_vllm_bench_serve(monkeypatch):
             assert client[m] == pytest.approx(client["server_" + m], rel=0.15 if busy[c] else 0.03), (c, m, client)
     shape = {c: r["tpot_ms_p50"] / r["server_tpot_ms_mean"] for c, r in res.items()}
     assert shape["quantlab"] == pytest.approx(shape["vllm bench"], rel=0.20 if any(busy.values()) else 0.10), shape
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_reads_the_calibrated_kv_scales_quantlab_exports(tmp_path):
+    """An fp8-cal point's export served with ``--kv-cache-dtype fp8``: vLLM
+    takes its ``k_scale``/``v_scale`` from the checkpoint. The same export
+    with every scale divided by 1000 (keys and values saturate at 0.45 of
+    their calibrated maxima) must move the served NLL far more than the
+    calibrated scales do against vLLM's unquantized cache (the export without
+    scales under ``auto``); were the scales ignored, the two would serve
+    identical log-probs. Three server starts, about 90 s on 2 cores."""
+    import copy
+
+    from benchmarks.kv_vllm_parity import vllm_nll
+    from quantlab import hardware, models
+    from quantlab.export import checkpoint
+    from quantlab.schemes.registry import ApplyContext, kv_handler
+
+    cfg = compose_cfg([*TINY, "scheme/kv=fp8-cal", "scheme.kv.n_samples=4", "scheme.kv.seq_len=64",
+                       f"cache_dir={tmp_path}/c"])
+    model, tok = models.load(cfg.model, cfg.cache_dir)
+    model = model.to(torch.bfloat16)
+    ctx = ApplyContext(hw=hardware.cpu(), tokenizer=tok, cache_dir=cfg.cache_dir, data_dir=cfg.data_dir, seed=0)
+    kv = kv_handler(cfg.scheme.kv).apply(model, cfg.scheme.kv, ctx).checkpoint
+    wrong = {**kv, "tensors": {n: t / 1000 for n, t in kv["tensors"].items()}}
+    dirs = {}
+    for name, extra in (("plain", None), ("cal", kv), ("wrong", wrong)):
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        checkpoint.write(copy.deepcopy(model), tok, {"format": "hf", "dtype": "bfloat16"}, None, dirs[name], extra)
+    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(0))  # byte tokens
+    auto = vllm_nll(REAL, dirs["plain"], "auto", ids)  # a checkpoint with kv_cache_scheme is fp8 under auto too
+    cal = vllm_nll(REAL, dirs["cal"], "fp8", ids)
+    bad = vllm_nll(REAL, dirs["wrong"], "fp8", ids)
+    near, far = abs(cal - auto).mean(), abs(bad - auto).mean()
+    assert 0 < near < 0.05 and far > 5 * near, (near, far)
+    assert subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True).stdout.strip() == b""

@@ -54,14 +54,18 @@ def _ct_config(model, spec: dict):
     return QuantizationConfig(config_groups=groups, format=spec["format"], quantization_status="frozen")
 
 
-def write(model, tok, spec: dict, dense, dest: Path) -> str:
+def write(model, tok, spec: dict, dense, dest: Path, kv: dict | None = None) -> str:
     """Write ``model`` (a rebuilt point) to ``dest`` as the scheme's checkpoint
     mapping ``spec`` says; returns the format name. ``dense``: a float (fp32)
     copy of the point's model before quantization, consumed here (the
-    compressor fills and packs it)."""
+    compressor fills and packs it). ``kv``: the KV scheme's
+    ``Applied.checkpoint`` (calibrated scales), written beside the weights
+    (:func:`write_kv_scales`)."""
     if spec["format"] == "hf":
         model.save_pretrained(dest, safe_serialization=True)
         tok.save_pretrained(dest)
+        if kv:
+            write_kv_scales(dest, kv)
         return format_name("checkpoint", spec)
     fmt = spec["format"]
     qcfg = _ct_config(model, spec)
@@ -105,7 +109,35 @@ def write(model, tok, spec: dict, dense, dest: Path) -> str:
         config["quantization_config"].update(load["quantization_config"])
         (dest / "config.json").write_text(json.dumps(config, indent=2))
     tok.save_pretrained(dest)
+    if kv:
+        write_kv_scales(dest, kv)
     return format_name("checkpoint", spec)
+
+
+def write_kv_scales(dest: Path, kv: dict) -> None:
+    """Add calibrated KV scales to the checkpoint in ``dest``: the tensors into
+    its safetensors (a sharded checkpoint gets ``kv_scales.safetensors`` and
+    index entries) and ``kv_cache_scheme`` into its ``quantization_config``
+    (a float checkpoint gets a compressed-tensors config with no weight groups,
+    which is how llm-compressor writes a KV-only recipe). vLLM loads the scales
+    onto its attention layers; transformers reloads the weights and reports
+    the scales as unexpected keys, which it ignores."""
+    from safetensors.torch import load_file, save_file
+
+    index = dest / "model.safetensors.index.json"
+    if index.exists():
+        save_file(kv["tensors"], dest / "kv_scales.safetensors", metadata={"format": "pt"})
+        mapping = json.loads(index.read_text())
+        mapping["weight_map"].update({name: "kv_scales.safetensors" for name in kv["tensors"]})
+        index.write_text(json.dumps(mapping, indent=2))
+    else:
+        single = dest / "model.safetensors"
+        save_file({**load_file(single), **kv["tensors"]}, single, metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    qcfg = config.setdefault("quantization_config", {"quant_method": "compressed-tensors", "format": "dense",
+                                                      "config_groups": {}, "quantization_status": "frozen"})
+    qcfg["kv_cache_scheme"] = kv["kv_cache_scheme"]
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def transformers_load(spec: dict) -> dict:

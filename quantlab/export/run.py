@@ -34,14 +34,18 @@ from quantlab.schemes.qlinear import QUANTIZED, dequantized
 log = logging.getLogger("quantlab")
 
 
-def rebuild(cfg: RunConfig, model: torch.nn.Module, tok) -> torch.nn.Module:
+def rebuild(cfg: RunConfig, model: torch.nn.Module, tok, kv: bool = True) -> tuple[torch.nn.Module, dict]:
     """``model`` (the point's float model, loaded by the caller) quantized in
-    place exactly as the sweep did, on CPU: same quantizer, same integers."""
+    place exactly as the sweep did, on CPU: same quantizer, same integers; and
+    what its KV scheme writes into a checkpoint (calibrated scales, measured
+    on the quantized model as the sweep did; ``{}`` for a runtime-only cache,
+    or with ``kv=False``: a format that holds no KV scales)."""
     ctx = registry.ApplyContext(hw=hardware.cpu(), tokenizer=tok, cache_dir=cfg.cache_dir,
                                 data_dir=cfg.data_dir, seed=cfg.seed)
-    w = cfg.scheme.weights
+    w, cache = cfg.scheme.weights, cfg.scheme.kv
     registry.weights_handler(w).apply(model, w, ctx)
-    return model.eval()
+    model.eval()
+    return model, registry.kv_handler(cache).apply(model, cache, ctx).checkpoint if kv else {}
 
 
 def dense_twins(model: torch.nn.Module, float_model: torch.nn.Module, dtype: torch.dtype):
@@ -72,15 +76,18 @@ def export_run(source: tracking.Run, out: Path, force: bool = False, register: s
     cfg = _run_config(source)
     spec = formats.mapping("checkpoint", cfg.scheme.weights)  # refuse a scheme without a format before rebuilding
     log.info("export: rebuilding %s from run %s", run.info.run_name, run_id)
-    if cfg.scheme.kv.short_name():
+    float_model, tok = models.load(cfg.model, cfg.cache_dir)
+    model, kv = rebuild(cfg, copy.deepcopy(float_model), tok)
+    if kv:
+        log.info("export: %s's calibrated k_scale/v_scale go into the checkpoint (kv_cache_scheme, %d tensors)",
+                 cfg.scheme.kv.short_name(), len(kv["tensors"]))
+    elif cfg.scheme.kv.short_name():
         log.info("export: %s is a KV-cache setting of the runtime, not part of a checkpoint: the export holds "
                  "the weights; quantlab.json records it (kv_scheme)", cfg.scheme.kv.short_name())
-    float_model, tok = models.load(cfg.model, cfg.cache_dir)
-    model = rebuild(cfg, copy.deepcopy(float_model), tok)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        fmt = checkpoint.write(model, tok, spec, copy.deepcopy(float_model), tmp)
+        fmt = checkpoint.write(model, tok, spec, copy.deepcopy(float_model), tmp, kv)
         ids = roundtrip.check_input(tok)
         float_twin, dense = dense_twins(model, float_model, getattr(torch, spec["dtype"]))
         del float_model
@@ -154,7 +161,7 @@ def export_gguf(source: tracking.Run, out: Path, force: bool = False) -> dict:
     gguf_type = formats.mapping("gguf", w)["type"]
     log.info("export: rebuilding %s from run %s for GGUF (%s)", w.short_name(), run_id, gguf_type)
     model, tok = models.load(cfg.model, cfg.cache_dir)
-    model = rebuild(cfg, model, tok)
+    model, _ = rebuild(cfg, model, tok, kv=False)  # GGUF: llama.cpp scales its cache itself
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:

@@ -12,7 +12,8 @@
   precision (see :class:`Int4Layer`).
 * ``fp8``: transformers' own ``Fp8QuantizedLayer`` (E4M3, per-tensor scale
   from the prefill), or one scale per tensor from the calibration set
-  (``calibrated``: vLLM's ``k_scale`` / ``v_scale``), values past it saturated.
+  (``calibrated``: vLLM's ``k_scale`` / ``v_scale``, which an export writes as
+  compressed-tensors' ``kv_cache_scheme``), values past it saturated.
 
 Calibrated scales (:func:`calibrate`) are the absolute maxima of the keys and
 values the point itself (its quantized weights) writes into its cache over the
@@ -236,11 +237,36 @@ def cache_factory(cfg: KVScheme, amax: list[tuple[torch.Tensor, torch.Tensor]] |
         return partial(KVCache, lambda i: Int4Layer(cfg.group_size, cfg.residual_length))
     if isinstance(cfg, FP8KV):
         if calibrated:
-            top = Fp8QuantizedLayer.fp8_max
-            scales = [tuple((a.max().clamp_min(1e-8) / top) for a in kv) for kv in amax]
+            scales = [tuple(fp8_scale(a) for a in kv) for kv in amax]
             return partial(KVCache, lambda i: Fp8CalibratedLayer(*scales[i]))
         return partial(KVCache, lambda i: Fp8QuantizedLayer())
     raise TypeError(f"no cache for {type(cfg).__name__}")
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """One E4M3 scale per tensor (a 0-d float32) from per-head maxima: the
+    dequantization factor vLLM's ``k_scale`` / ``v_scale`` are (x = fp8 * scale)."""
+    return (amax.float().max().clamp_min(1e-8) / Fp8QuantizedLayer.fp8_max).reshape(())
+
+
+# compressed-tensors' description of a static per-tensor FP8 cache (llm-compressor writes the same)
+FP8_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+
+
+def checkpoint_scales(model: torch.nn.Module, amax: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """What an export of a calibrated FP8 cache writes: ``kv_cache_scheme`` and
+    ``<attention module>.k_scale`` / ``.v_scale`` (float32 ``[1]``) per layer,
+    the names compressed-tensors writes and vLLM maps onto its attention layers.
+    The attention modules are the model's ``*Attention`` modules in order, one
+    per cache layer (a mismatch raises)."""
+    attn = [n for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
+    if len(attn) != len(amax):
+        raise ValueError(f"{len(attn)} attention modules for {len(amax)} cache layers: cannot name the KV scales")
+    tensors = {}
+    for name, (k, v) in zip(attn, amax):
+        tensors[f"{name}.k_scale"] = fp8_scale(k).reshape(1)
+        tensors[f"{name}.v_scale"] = fp8_scale(v).reshape(1)
+    return {"kv_cache_scheme": dict(FP8_KV_CACHE_SCHEME), "tensors": tensors}
 
 
 def scale_tags(amax: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, str]:
@@ -284,7 +310,8 @@ def apply(model: torch.nn.Module, cfg: KVScheme, ctx: ApplyContext) -> Applied:
     ids, tags = calibration.batch_or_builtin(cfg.calibration, cfg.short_name(), ctx, cfg.n_samples, cfg.seq_len)
     amax = calibrate(model, ids)
     return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg, amax), config=cfg,
-                   tags={**{f"kv.{k}": v for k, v in tags.items()}, **scale_tags(amax)})
+                   tags={**{f"kv.{k}": v for k, v in tags.items()}, **scale_tags(amax)},
+                   checkpoint=checkpoint_scales(model, amax) if isinstance(cfg, FP8KV) else {})
 
 
 _GGUF_CACHE = {NoKV: "F16", Int8KV: "Q8_0", Int4KV: "Q4_0"}
@@ -305,14 +332,18 @@ _VLLM_CACHE = {NoKV: "auto", FP8KV: "fp8"}
 
 
 def vllm(cfg: KVScheme) -> Mapping:
-    """vLLM's ``--kv-cache-dtype``: its own fp8 cache (per-tensor scales), or
-    none; quantlab's int8 and int4 layouts have no vLLM counterpart."""
+    """vLLM's ``--kv-cache-dtype`` and where its scales come from: fp8 with the
+    calibrated per-tensor ``k_scale`` / ``v_scale`` the export writes
+    (``scales: checkpoint``), or, for prefill-scaled fp8, vLLM's own default
+    of 1.0 (vLLM 0.32 computes no scale from the prompt, so that point is not
+    quantlab's prefill-scaled cache: ``scales: 1.0``); int8 and int4 layouts
+    have no vLLM counterpart."""
     if type(cfg) not in _VLLM_CACHE:
         return Mapping(reason=f"{cfg.short_name()}: quantlab's cache layout has no vLLM --kv-cache-dtype (fp8 maps)")
-    if getattr(cfg, "scales", "") == "calibrated":
-        return Mapping(reason=f"{cfg.short_name()}: the calibrated k_scale/v_scale are not written into the export "
-                              f"yet, so vLLM would serve its own scales, not the ones measured")
-    return Mapping({"kv_cache_dtype": _VLLM_CACHE[type(cfg)]})
+    if isinstance(cfg, NoKV):
+        return Mapping({"kv_cache_dtype": "auto", "scales": ""})
+    return Mapping({"kv_cache_dtype": _VLLM_CACHE[type(cfg)],
+                    "scales": "checkpoint" if cfg.scales == "calibrated" else "1.0"})
 
 
 for _name, _cls in (("none", NoKV), ("int8", Int8KV), ("int4", Int4KV), ("fp8", FP8KV)):

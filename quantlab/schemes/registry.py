@@ -62,6 +62,9 @@ class Applied:
     cache_factory: Callable[..., Any] | None = None  # KV schemes: factory(config=...) -> Cache
     config: Any = None  # the scheme config that was applied
     tags: dict[str, str] = field(default_factory=dict)  # what the point's run should say about how (e.g. a fallback)
+    # what an export writes beside the weights: calibrated KV scales as ``{"kv_cache_scheme": {...},
+    # "tensors": {name: tensor}}`` (compressed-tensors' names, which vLLM reads); empty: nothing
+    checkpoint: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

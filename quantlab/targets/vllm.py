@@ -16,8 +16,9 @@ weight-only kernel; the server's first real request confirms the rest (a
 kernel it lacks fails the point in one line, nothing left running). Each
 point also logs ``parity/*``: the served checkpoint against quantlab's
 in-memory point on the same tokens.
-KV schemes map to ``--kv-cache-dtype`` through their ``vllm`` format mapping: ``fp8`` -> ``fp8``; int8 and
-int4 caches have no vLLM equivalent here.
+KV schemes map to ``--kv-cache-dtype`` through their ``vllm`` format mapping: ``fp8`` -> ``fp8``, with
+the calibrated cache's k_scale/v_scale written into the export (``kv_cache_scheme``) and read by vLLM, the
+prefill-scaled one at vLLM's default scale 1.0; int8 and int4 caches have no vLLM equivalent here.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class VllmTarget(Target):
                         else "")
         c = kv_handler(kv).mapping("vllm", kv)
         k = (Support("unsupported", c.reason) if not c.ok else
-             Support("real", f"--kv-cache-dtype {c.spec['kv_cache_dtype']}" if kv.short_name() else ""))
+             Support("real", _SCALES[c.spec["scales"]].format(c.spec["kv_cache_dtype"])))
         return worst([w, k])
 
     def apply_weights(self, model: torch.nn.Module, weights: Any, ctx) -> Applied:
@@ -93,7 +94,7 @@ class VllmTarget(Target):
         """Export (or reuse) the point's checkpoint, then start the server on it."""
         t = time.perf_counter()
         spec = formats.mapping("checkpoint", self._weights)
-        path, cached = self._export(model, tokenizer, spec)
+        path, cached = self._export(model, tokenizer, spec, kv.checkpoint)
         export_s = time.perf_counter() - t
         dtype = spec["dtype"] if self.cfg.dtype == "auto" else self.cfg.dtype
         args = ServerArgs(path, dtype=dtype, max_num_seqs=self.cfg.max_num_seqs,
@@ -109,19 +110,26 @@ class VllmTarget(Target):
                             "size/checkpoint_mb": sum(f.stat().st_size for f in path.iterdir()) / 2**20})
         return eng
 
-    def _export(self, model: torch.nn.Module, tokenizer, spec: dict) -> tuple[Path, bool]:
-        key = content_key(model, extra="ct-export-v2|" + json.dumps(spec, sort_keys=True))
+    def _export(self, model: torch.nn.Module, tokenizer, spec: dict, kv: dict) -> tuple[Path, bool]:
+        scales = {k: v.tolist() for k, v in sorted(kv.get("tensors", {}).items())}  # calibrated KV scales
+        key = content_key(model, extra="ct-export-v2|" + json.dumps([spec, scales], sort_keys=True))
 
         def write(tmp: Path) -> str:
             tmp.mkdir(parents=True)
             # a same-architecture fp32 skeleton for the compressor: every weight is overwritten from the point
             skeleton = type(model)(copy.deepcopy(model.config)).float()
-            fmt = checkpoint.write(model, tokenizer, spec, skeleton, tmp)
+            fmt = checkpoint.write(model, tokenizer, spec, skeleton, tmp, kv)
             log.info("vllm: checkpoint written (%s)", fmt)
             return fmt
 
         path, reused, _ = export_cache.cached(self.cfg.export_cache, key, "", write, "vllm: checkpoint")
         return path, reused
+
+
+# what the point's support note says of its cache (by the KV mapping's ``scales``)
+_SCALES = {"": "", "checkpoint": "--kv-cache-dtype {}, k_scale/v_scale calibrated, read from the checkpoint",
+           "1.0": "--kv-cache-dtype {} at vLLM's scale 1.0 (no scales in the checkpoint; vLLM 0.32 computes none "
+                  "from the prompt, unlike quantlab's prefill-scaled cache)"}
 
 
 def _unreadable(spec: dict) -> str:
