@@ -3,6 +3,8 @@ latency at the sizes users ship; accuracy probes refused at compose time; the
 report's cost-by-size section."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -11,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from quantlab import models, shapes
 from quantlab.config import ModelConfig, ShapeModelConfig
 from tests.conftest import run_cli
+from tests.test_vllm import REAL  # vLLM's venv, resolved before the tests' own cache directory is set
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16}
@@ -144,3 +147,40 @@ def test_a_shape_point_exports_a_gguf_llamacpp_reproduces(tmp_path, name, scheme
 def models_logits(model, ids):
     with torch.inference_mode():
         return model(input_ids=ids).logits[0].float()
+
+
+@pytest.mark.vllm
+def test_shape_points_serve_on_vllm_at_tiny_widths(tmp_path):
+    """The scaling sweep's vLLM route at tiny widths (head_dim 32, which vLLM's
+    CPU attention needs): qwen2 (q/k/v biases, 151,936-token vocabulary) in
+    bf16 and llama in int4; each point is quantlab's compressed-tensors export
+    of the random weights served by vLLM, timed, on the report's cost-by-size
+    table; int4 is skipped with its reason on a CPU without AVX512-BF16."""
+    from quantlab import hardware
+
+    if not os.access(REAL, os.X_OK):
+        pytest.skip(f"no vLLM venv at {REAL} (bash scripts/build_vllm_venv.sh builds it)")
+    width = {**TINY, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
+    args = ["-m", "+sweep=scaling", "model.shape.name=qwen2.5-0.5b,smollm2-135m", "scheme/weights=bf16,int4-g32-sym",
+            "target=vllm", f"target.python={REAL}", "target.max_model_len=512", "probe.latency.repeats=2",
+            "probe.latency.grid_prompt_tokens=[32,64]", "probe.latency.prompt_tokens=32",
+            "probe.latency.new_tokens=8", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+            f"tracking.artifact_root={tmp_path}/art", f"cache_dir={tmp_path}/c",
+            *(f"model.shape.{k}={v}" for k, v in width.items())]
+    out = run_cli(args, timeout=1500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
+    points = {r.info.run_name: r.data for r in runs if r.data.tags.get("quantlab.role") != "sweep"}
+    assert len(points) == 4
+    int4_runs = "avx512_bf16" in hardware.cpu_flags()
+    for name, r in points.items():
+        if "int4" in name and not int4_runs:
+            assert r.tags["quantlab.outcome"] == "skipped" and "AVX512_BF16" in r.tags["quantlab.reason"]
+            continue
+        assert r.tags["quantlab.outcome"] == "finished", (name, r.tags.get("quantlab.reason"))
+        assert r.tags["model.random_weights"] == "true" and r.metrics["lat/tpot_ms_p50"] > 0
+        assert r.metrics["vllm/ready_s"] > 0 and "fid/kl_mean" not in r.metrics
+    parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
+    client.download_artifacts(parent.info.run_id, "report.md", str(tmp_path))
+    assert "| vllm | bf16 | 2 |" in (tmp_path / "report.md").read_text()  # the cost-by-size fit over both shapes
