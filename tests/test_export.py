@@ -195,8 +195,8 @@ def test_corrupted_tensor_fails_round_trip_and_writes_nothing(store, tmp_path, m
     client, ids, _ = store
     real = checkpoint.write
 
-    def corrupt(model, tok, spec, dense, dest):
-        fmt = real(model, tok, spec, dense, dest)
+    def corrupt(model, tok, spec, dense, dest, kv=None):
+        fmt = real(model, tok, spec, dense, dest, kv)
         f = dest / "model.safetensors"
         t = load_file(f)
         for key in [k for k in t if k.endswith("weight_scale")]:  # a sign-flipped, inflated scale
@@ -345,7 +345,7 @@ def test_an_export_that_lost_its_quantization_fails_the_round_trip(store, tmp_pa
     point's dequantized weights, and nothing is written."""
     client, ids, _ = store
 
-    def float_instead(model, tok, spec, dense, dest):  # dense: the float model, before quantization
+    def float_instead(model, tok, spec, dense, dest, kv=None):  # dense: the float model, before quantization
         dense.to(torch.bfloat16).save_pretrained(dest, safe_serialization=True)
         tok.save_pretrained(dest)
         return "hf-bfloat16"
