@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
 import platform
 import tempfile
@@ -92,16 +91,10 @@ def vllm_nll(python: str, model_dir: Path, kv_dtype: str, windows: torch.Tensor)
         server.close()
 
 
-def stats(values: np.ndarray) -> tuple[float, float]:
-    """Mean of the window means and its se over windows."""
-    w = len(values)
-    return float(values.mean()), float(values.std(ddof=1) / math.sqrt(w)) if w > 1 else math.nan
-
-
-def paired(a: np.ndarray, b: np.ndarray) -> str:
-    """``a - b`` over paired windows: mean +- se (z)."""
-    m, se = stats(a - b)
-    return f"{m:+.2e} +- {se:.1e} ({m / se:+.1f})" if se > 0 else f"{m:+.2e}"
+def cell(s: dict[str, float], z: bool = False) -> str:
+    """A bucket's ``mean +- se`` (``kv_position.bucket_stats``), with ``z = mean / se``."""
+    out = f"{s['mean']:+.2e} +- {s['stderr']:.1e}"
+    return f"{out} ({s['mean'] / s['stderr']:+.1f})" if z and s["stderr"] > 0 else out
 
 
 def main() -> None:
@@ -126,9 +119,7 @@ def main() -> None:
     wins, _ = corpus.random_windows(tok, corpus.text("wikitext2", data_dir), a.length, a.windows, a.seed)
     cpu = targets.get(CPUTargetConfig())
     kl, dnll_q = kv_position.per_position(cpu.engine(model, applied, tok), wins, a.chunk)  # tokens chunk .. T-1
-    tensors = applied.checkpoint["tensors"]
-    attn = sorted({n.rsplit(".", 1)[0] for n in tensors}, key=lambda n: int(n.split(".")[2]))  # model.layers.N...
-    scales = [(tensors[f"{n}.k_scale"].reshape(()), tensors[f"{n}.v_scale"].reshape(())) for n in attn]
+    scales = [(layer.k_scale, layer.v_scale) for layer in applied.cache_factory(config=model.config).layers]
     rtz = Applied("TowardZeroFp8Layer", True, partial(KVCache, lambda i: TowardZeroFp8Layer(*scales[i])), kv)
     _, dnll_z = kv_position.per_position(cpu.engine(model, rtz, tok), wins, a.chunk)
     t_q = time.perf_counter() - t0
@@ -164,14 +155,13 @@ def main() -> None:
     print("| bucket | quantlab KL | quantlab dNLL | vLLM dNLL (scales) | vLLM - quantlab (z) | "
           "quantlab toward zero | vLLM - toward zero (z) | vLLM dNLL (scale 1.0) |")
     print("|---|---|---|---|---|---|---|---|")
-    for lo, hi in buckets:
-        cols = slice(max(lo, a.chunk) - a.chunk, hi - a.chunk)
-        q, z, v, one = (x[:, cols].mean(axis=1) for x in (dnll_q, dnll_z, dnll_v, dnll_1))
-        (kq, kse), (mq, sq), (mz, sz), (mv, sv), (m1, s1) = (stats(x) for x in (kl[:, cols].mean(axis=1), q, z,
-                                                                                 v, one))
-        print(f"| {kv_position.bucket_name(max(lo, a.chunk), hi)} | {kq:.2e} +- {kse:.1e} | {mq:+.2e} +- {sq:.1e} "
-              f"| {mv:+.2e} +- {sv:.1e} | {paired(v, q)} | {mz:+.2e} +- {sz:.1e} | {paired(v, z)} "
-              f"| {m1:+.2e} +- {s1:.1e} |")
+    shifted = [(max(lo - a.chunk, 0), hi - a.chunk) for lo, hi in buckets]  # columns start at token chunk
+    arms = (kl, dnll_q, dnll_v, dnll_v - dnll_q, dnll_z, dnll_v - dnll_z, dnll_1)  # paired differences per window
+    columns = [kv_position.bucket_stats(x, shifted) for x in arms]
+    for i, (lo, hi) in enumerate(buckets):
+        k, q, v, vq, z, vz, one = (c[i] for c in columns)
+        print(f"| {kv_position.bucket_name(max(lo, a.chunk), hi)} | {k['mean']:.2e} +- {k['stderr']:.1e} "
+              f"| {cell(q)} | {cell(v)} | {cell(vq, True)} | {cell(z)} | {cell(vz, True)} | {cell(one)} |")
 
 
 if __name__ == "__main__":

@@ -340,10 +340,8 @@ def vllm(cfg: KVScheme) -> Mapping:
     have no vLLM counterpart."""
     if type(cfg) not in _VLLM_CACHE:
         return Mapping(reason=f"{cfg.short_name()}: quantlab's cache layout has no vLLM --kv-cache-dtype (fp8 maps)")
-    if isinstance(cfg, NoKV):
-        return Mapping({"kv_cache_dtype": "auto", "scales": ""})
-    return Mapping({"kv_cache_dtype": _VLLM_CACHE[type(cfg)],
-                    "scales": "checkpoint" if cfg.scales == "calibrated" else "1.0"})
+    scales = "" if isinstance(cfg, NoKV) else "checkpoint" if cfg.scales == "calibrated" else "1.0"
+    return Mapping({"kv_cache_dtype": _VLLM_CACHE[type(cfg)], "scales": scales})
 
 
 for _name, _cls in (("none", NoKV), ("int8", Int8KV), ("int4", Int4KV), ("fp8", FP8KV)):
