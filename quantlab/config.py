@@ -455,6 +455,12 @@ class RunConfig:
         if self.model.source == "shape" and (on := accuracy_probes(self.probe)):
             raise ValueError(f"model.source=shape has random weights: {', '.join(on)} would measure nothing; use "
                              f"probe=latency (or set probe.<name>.enabled=false)")
+        if self.model.source == "shape":
+            sh = self.model.shape
+            limit = sh.max_position_embeddings or SHAPES[sh.name].max_position_embeddings
+            if (need := probe_context(self.probe))[0] > limit:
+                raise ValueError(f"{need[1]} needs {need[0]} tokens of context; model.shape.name={sh.name} holds "
+                                 f"{limit} (its max_position_embeddings): shorten the probe or pick a longer shape")
         if name := getattr(self.target, "CONTEXT_FIELD", None):
             need, asked = probe_context(self.probe)
             if need > (ctx := getattr(self.target, name)):

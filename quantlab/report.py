@@ -540,8 +540,10 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
     if serving:
         body += "\n" + serving + "\n"
     by_size, size_files = scaling.section(runs, out)
-    if by_size:
-        body += "\n" + by_size + "\n"
+    by_context, context_files = scaling.context_section(runs, out)
+    for extra in (by_size, by_context):
+        if extra:
+            body += "\n" + extra + "\n"
     (out / "report.md").write_text(body)
     panels = {c: points(runs, metric, c, base, items) if recs else [] for c in ("lat/tpot_ms_p50", "size/weight_mb")}
     label = metric if metric.startswith(decision.KL) else f"relative loss on {metric}"
@@ -551,7 +553,8 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
         plots.html(panels, label, out / "pareto.html", title)
     if log_to_run:
         parent = tracker.run(parent_id)
-        for f in ("report.md", "pareto.png", "pareto.html", "kv_position.png", *serving_files, *size_files):
+        for f in ("report.md", "pareto.png", "pareto.html", "kv_position.png", *serving_files, *size_files,
+                  *context_files):
             if (out / f).is_file():
                 parent.log_files(out / f)
         by_name = {r.info.run_name: r.info.run_id for r in runs}

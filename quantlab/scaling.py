@@ -7,6 +7,11 @@ is the effective bandwidth (GB/s) a step reaches once it is bound by bytes,
 ``a`` the fixed cost per token (launches, Python, sampling). Beside it, per
 point, the achieved bandwidth and its share of the host's measured read
 bandwidth, and TTFT by prompt length.
+
+And the cost-by-context section (``+sweep=context``, or any sweep whose latency
+grid has more than one prompt length): TTFT and TPOT per prompt length, and how
+much of TPOT's rise from the shortest to the longest context the cache's extra
+bytes explain at the measured bandwidth (the rest is attention's arithmetic).
 """
 from __future__ import annotations
 
@@ -16,14 +21,17 @@ from pathlib import Path
 from quantlab import tracking
 from quantlab.measurement import weight_bytes_read
 
-_CELL_TTFT = re.compile(r"^cell/b1_p(\d+)/ttft_ms_p50$")
+_CELL = re.compile(r"^cell/b1_p(\d+)/(ttft_ms_p50|tpot_ms_p50|kv_mb)$")
+_PRIMARY = {"ttft_ms_p50": "lat/ttft_ms_p50", "tpot_ms_p50": "lat/tpot_ms_p50", "kv_mb": "mem/kv_mb"}
 
 
-def ttft_by_prompt(metrics: dict[str, float]) -> dict[int, float]:
-    """Prompt length -> TTFT p50 (ms) at batch 1, the primary cell's and the grid's."""
-    out = {int(m[1]): v for k, v in metrics.items() if (m := _CELL_TTFT.match(k))}
-    if metrics.get("lat/batch_size") == 1.0 and "lat/ttft_ms_p50" in metrics:
-        out[int(metrics["lat/prompt_tokens"])] = metrics["lat/ttft_ms_p50"]
+def by_prompt(metrics: dict[str, float], name: str = "ttft_ms_p50") -> dict[int, float]:
+    """Prompt length -> the latency probe's ``name`` (``ttft_ms_p50``,
+    ``tpot_ms_p50``: decode steps after that prompt, ``kv_mb``: the cache at the
+    request's end) at batch 1, the primary cell's and the grid's."""
+    out = {int(m[1]): v for k, v in metrics.items() if (m := _CELL.match(k)) and m[2] == name}
+    if metrics.get("lat/batch_size") == 1.0 and _PRIMARY[name] in metrics:
+        out[int(metrics["lat/prompt_tokens"])] = metrics[_PRIMARY[name]]
     return dict(sorted(out.items()))
 
 
@@ -39,7 +47,8 @@ def rows(runs) -> list[dict]:
                     "emulated": r.data.tags.get("emulated") == "true", "gb": weight_bytes_read(m) / 1e9,
                     "params": m.get("size/params", 0.0), "tpot": m["lat/tpot_ms_p50"],
                     "gbs": m.get("bw/achieved_gb_s"), "util": m.get("bw/util"),
-                    "overhead": m.get("bw/overhead_ms"), "rss": m.get("mem/peak_rss_mb"), "ttft": ttft_by_prompt(m)})
+                    "overhead": m.get("bw/overhead_ms"), "rss": m.get("mem/peak_rss_mb"), "ttft": by_prompt(m),
+                    "tpot_at": by_prompt(m, "tpot_ms_p50"), "kv_mb": by_prompt(m, "kv_mb")})
     return sorted(out, key=lambda x: (x["engine"], x["params"], x["gb"]))
 
 
@@ -139,6 +148,65 @@ def png(table: list[dict], lines: dict[tuple[str, str], tuple[float, float, int]
     ax.set_title("decode time per token against weight bytes")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def context_section(runs, out: Path) -> tuple[str, list[str]]:
+    """Markdown and the files written in ``out`` (``context.png``); ('', [])
+    unless some timed point has TPOT at more than one prompt length."""
+    table = [r for r in rows(runs) if len(r["tpot_at"]) > 1]
+    if not table:
+        return "", []
+    prompts = sorted({p for r in table for p in r["tpot_at"]})
+    head = ["point", "engine", *(f"{k} p{p} ms" for p in prompts for k in ("TTFT", "TPOT")),
+            "TPOT rise ms", "of which KV bytes ms", "KV MB at longest"]
+    lines = ["Cost by context (batch 1, p50; TPOT p<N>: decode steps after an N-token prompt; TPOT rise: longest "
+             "prompt's TPOT minus shortest's; of which KV bytes: the cache's extra megabytes at the host's measured "
+             "read bandwidth, the rest of the rise is attention's arithmetic and the engine's own cost):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table:
+        lo, hi = min(r["tpot_at"]), max(r["tpot_at"])
+        rise = r["tpot_at"][hi] - r["tpot_at"][lo]
+        peak = r["gbs"] / r["util"] if r["gbs"] and r["util"] else None
+        kv = r["kv_mb"].get(hi, 0.0) - r["kv_mb"].get(lo, 0.0) if hi in r["kv_mb"] and lo in r["kv_mb"] else None
+        kv_ms = kv * 2**20 / (peak * 1e9) * 1e3 if kv is not None and peak else None
+        cells = [_f(c.get(p), ".1f") for p in prompts for c in (r["ttft"], r["tpot_at"])]
+        lines.append("| " + " | ".join([r["name"] + (" (emulated)" if r["emulated"] else ""), r["engine"], *cells,
+                                        f"{rise:.2f}", _f(kv_ms, ".2f"), _f(r["kv_mb"].get(hi), ".0f")]) + " |")
+    files = []
+    if context_png(table, out / "context.png"):
+        files.append("context.png")
+        lines += ["", "![TTFT and TPOT against context](context.png)"]
+    return "\n".join(lines), files
+
+
+def context_png(table: list[dict], path: Path) -> bool:
+    """Two panels against prompt tokens (log 2 axis): TTFT, and TPOT after that
+    prompt; a colour per point. False when there is nothing to draw."""
+    if not table:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for i, r in enumerate(table):
+        style = dict(marker="o", c=f"C{i % 10}", ls="--" if r["emulated"] else "-",
+                     label=r["name"] + (" (emulated)" if r["emulated"] else ""))
+        a.plot(list(r["ttft"]), list(r["ttft"].values()), **style)
+        b.plot(list(r["tpot_at"]), list(r["tpot_at"].values()), **style)
+    for ax, what in ((a, "TTFT p50 (ms)"), (b, "TPOT p50 after the prompt (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    a.set_yscale("log")
+    b.legend(fontsize=7)
+    fig.suptitle("cost against context")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

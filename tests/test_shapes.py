@@ -184,3 +184,66 @@ def test_shape_points_serve_on_vllm_at_tiny_widths(tmp_path):
     parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
     client.download_artifacts(parent.info.run_id, "report.md", str(tmp_path))
     assert "| vllm | bf16 | 2 |" in (tmp_path / "report.md").read_text()  # the cost-by-size fit over both shapes
+
+
+def _run(name: str, metrics: dict[str, float]):
+    from types import SimpleNamespace
+
+    from quantlab import tracking
+    tags = {tracking.OUTCOME_TAG: "finished", "model": "m", "scheme": "bf16", "target.variant": "cpu"}
+    return SimpleNamespace(info=SimpleNamespace(run_name=name, run_id=name),
+                           data=SimpleNamespace(metrics=metrics, tags=tags))
+
+
+def test_cost_by_context_splits_the_tpot_rise_into_cache_bytes_and_the_rest(tmp_path):
+    """TPOT rises 4 ms from a 128- to a 2,048-token prompt while the cache grows
+    by 60 MiB; at 30 GB/s (achieved 15 GB/s at 50 %), 60 MiB take 2.10 ms."""
+    from quantlab import scaling
+    m = {"lat/batch_size": 1.0, "lat/prompt_tokens": 128.0, "lat/ttft_ms_p50": 100.0, "lat/tpot_ms_p50": 20.0,
+         "mem/kv_mb": 4.0, "cell/b1_p2048/ttft_ms_p50": 2000.0, "cell/b1_p2048/tpot_ms_p50": 24.0,
+         "cell/b1_p2048/kv_mb": 64.0, "size/weight_bytes": 3e8, "bw/achieved_gb_s": 15.0, "bw/util": 0.5}
+    text, files = scaling.context_section([_run("a", m)], tmp_path)
+    assert files == ["context.png"] and (tmp_path / "context.png").stat().st_size > 0
+    row = next(line for line in text.splitlines() if line.startswith("| a |"))
+    assert row == f"| a | cpu | 100.0 | 20.0 | 2000.0 | 24.0 | 4.00 | {60 * 2**20 / 30e9 * 1e3:.2f} | 64 |"
+    one = dict(m)
+    for k in [k for k in one if k.startswith("cell/")]:
+        del one[k]
+    assert scaling.context_section([_run("b", one)], tmp_path) == ("", [])  # one prompt length: no section
+
+
+def test_a_prompt_longer_than_the_shape_holds_is_refused_in_one_line(tmp_path):
+    out = run_cli(["model=shape", "model.shape.name=smollm2-135m", "probe=latency",
+                   "probe.latency.grid_prompt_tokens=[128,8192]", f"tracking.uri=sqlite:///{tmp_path}/m.db"])
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "quantlab: invalid config: probe.latency (prompt_tokens + new_tokens) needs 8224 tokens of context; "
+        "model.shape.name=smollm2-135m holds 8192 (its max_position_embeddings): shorten the probe or pick a "
+        "longer shape")
+
+
+def test_the_context_sweep_at_tiny_widths_reports_cost_by_context(tmp_path):
+    """+sweep=context's four points (bf16 and int4 on torch CPU and llama.cpp)
+    at tiny widths and short prompts: TPOT per prompt length in each run, the
+    report's cost-by-context table and plot on the parent."""
+    pytest.importorskip("llama_cpp")
+    args = ["-m", "+sweep=context", "probe.latency.grid_prompt_tokens=[16,64]", "probe.latency.prompt_tokens=16",
+            "probe.latency.new_tokens=4", "probe.latency.repeats=1",
+            f"tracking.uri=sqlite:///{tmp_path}/m.db", f"tracking.artifact_root={tmp_path}/art",
+            *(f"model.shape.{k}={v}" for k, v in TINY.items())]
+    out = run_cli(args, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
+    points = {r.info.run_name: r for r in runs if r is not parent}
+    assert set(points) == {f"qwen2.5-0.5b-random:{s}@{t}" for s in ("bf16", "int4-g32-sym")
+                           for t in ("cpu", "llamacpp")}
+    for r in points.values():
+        assert r.data.tags["quantlab.outcome"] == "finished", r.data.tags
+        assert r.data.metrics["cell/b1_p64/tpot_ms_p50"] > 0 and r.data.metrics["cell/b1_p64/kv_mb"] > \
+            r.data.metrics["mem/kv_mb"] > 0
+    client.download_artifacts(parent.info.run_id, "report.md", str(tmp_path))
+    text = (tmp_path / "report.md").read_text()
+    assert "Cost by context" in text and "| qwen2.5-0.5b-random:int4-g32-sym@llamacpp | llamacpp |" in text
+    assert "context.png" in [a.path for a in client.list_artifacts(parent.info.run_id)]
