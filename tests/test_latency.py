@@ -27,8 +27,11 @@ def test_grid_cells_primary_first():
 def test_grid_metrics_per_cell(tiny):
     model, tok = tiny
     cfg = LatencyProbeConfig(prompt_tokens=16, new_tokens=4, repeats=2, grid_batch_sizes=[1, 3])
-    m, raw = latency.measure(TorchEngine(model), tok, corpus.prompt_text(tok, 16), cfg)
+    heard = []
+    m, raw = latency.measure(TorchEngine(model), tok, corpus.prompt_text(tok, 16), cfg, progress=heard.append)
     assert {(b, p) for b, p, _ in raw} == {(1, 16), (3, 16)}
+    assert [line.split(":")[0] for line in heard] == ["cell batch 1 prompt 16", "cell batch 3 prompt 16"]
+    assert f"TPOT p50 {m['cell/b3_p16/tpot_ms_p50']:.1f} ms (2 requests)" in heard[1]
     assert m["cell/b3_p16/tpot_ms_p50"] > 0 and not any(k.startswith("cell/b1_p16/") for k in m)  # primary: lat/*
     assert m["cell/b3_p16/kv_mb"] == pytest.approx(3 * m["mem/kv_mb"])
     csv = latency.samples_csv(raw)

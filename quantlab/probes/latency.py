@@ -102,11 +102,13 @@ def measure_cell(engine, tokenizer, prompt: str, cfg: LatencyProbeConfig, batch:
     return metrics, runs
 
 
-def measure(engine, tokenizer, prompt: str, cfg: LatencyProbeConfig,
-            counter=None) -> tuple[dict[str, float], list[tuple[int, int, RequestTiming]]]:
+def measure(engine, tokenizer, prompt: str, cfg: LatencyProbeConfig, counter=None,
+            progress=None) -> tuple[dict[str, float], list[tuple[int, int, RequestTiming]]]:
     """Every grid cell. The primary cell's metrics keep plain names
     (``lat/tpot_ms_p50``); every other cell logs ``cell/b{B}_p{P}/<name>``.
-    ``prompt`` must tokenize to at least the longest prompt length."""
+    ``prompt`` must tokenize to at least the longest prompt length.
+    ``progress(line)``, when given, hears each cell's figures as it ends (an
+    8,192-token cell takes minutes on a CPU)."""
     need = max(p for _, p in cells(cfg))
     n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     if n < need:
@@ -118,6 +120,9 @@ def measure(engine, tokenizer, prompt: str, cfg: LatencyProbeConfig,
     for i, (b, p) in enumerate(cells(cfg)):
         cell, runs = measure_cell(engine, tokenizer, prompt, cfg, b, p, counter)
         raw += [(b, p, r) for r in runs]
+        if progress:
+            progress(f"cell batch {b} prompt {p}: TTFT p50 {cell['lat/ttft_ms_p50']:.1f} ms, TPOT p50 "
+                     f"{cell.get('lat/tpot_ms_p50', float('nan')):.1f} ms ({len(runs)} requests)")
         if i == 0:
             metrics.update(cell)
             continue

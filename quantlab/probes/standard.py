@@ -215,7 +215,8 @@ class LatencyProbe:
         why = engine.cannot("energy")
         counter, why = (None, why) if why else energy.open_counter(engine.device)
         load_before = os.getloadavg()[0]
-        timed, raw = latency.measure(engine, ctx.tokenizer, prompt, lat, counter)  # joules of timed requests only
+        timed, raw = latency.measure(engine, ctx.tokenizer, prompt, lat, counter,  # joules of timed requests only
+                                     lambda line: ctx.log("latency: %s", line))
         out.metrics.update(timed)
         out.metrics["sys/load1"] = max(load_before, os.getloadavg()[0])
         out.tags["threads"] = str(torch.get_num_threads())
