@@ -119,6 +119,23 @@ def test_host_bandwidth_measured_beside_other_work_is_not_kept(tmp_path, monkeyp
     assert roofline.host_bandwidth(str(tmp_path), torch.device("cpu")) == 1.6e10
 
 
+def test_a_figure_cached_by_an_older_method_is_measured_again(tmp_path, monkeypatch):
+    """Figures cached before the huge-page buffer (no ``method``) understate
+    the host by 15-20 %: a point measures again and keeps the new figure."""
+    import json
+    import socket
+
+    from quantlab import contention
+
+    monkeypatch.setattr(contention, "foreign_cores", lambda a, b: 0.0)
+    old = tmp_path / "bandwidth" / f"{socket.gethostname()}-cpu.json"
+    old.parent.mkdir()
+    old.write_text(json.dumps({"bytes_per_s": 2.96e10, "measured": "2026-12-05T06:26:21"}))
+    monkeypatch.setattr(roofline, "measure_read_bandwidth", lambda d: 3.5e10)
+    assert roofline.host_bandwidth(str(tmp_path), torch.device("cpu")) == 3.5e10
+    assert json.loads(old.read_text())["method"] == roofline.METHOD
+
+
 def test_measured_bandwidth_is_plausible():
     bw = roofline.measure_read_bandwidth(torch.device("cpu"), mbytes=64, repeats=2)
     assert 1e9 < bw < 1e12
