@@ -94,6 +94,9 @@ class ServerArgs:
     max_logprobs: int = -1  # -1: the whole vocabulary may be asked for
     threads: int | None = None
     enforce_eager: bool = True
+    # False: every request prefills its whole prompt. The latency probe repeats one prompt (and each grid
+    # cell's prompt starts with the last's), so with vLLM's default prefix caching TTFT times a cache hit
+    prefix_caching: bool = False
     tokenize: bool = False  # True: the server loads the tokenizer (text prompts: vllm bench serve); quantlab sends ids
     extra: list[str] = field(default_factory=list)
 
@@ -107,6 +110,7 @@ class ServerArgs:
             cmd.append("--skip-tokenizer-init")
         if self.enforce_eager:
             cmd.append("--enforce-eager")  # else every start compiles again (minutes on 2 cores)
+        cmd.append("--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching")
         return cmd + list(self.extra)
 
     def env(self) -> dict[str, str]:

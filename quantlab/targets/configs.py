@@ -107,5 +107,6 @@ class VllmTargetConfig(TargetConfig):
     port: Optional[int] = field(default=None, metadata={"min": 1})
     ready_timeout_s: float = field(default=600.0, metadata={"above": 0})
     enforce_eager: bool = True
+    prefix_caching: bool = False  # vLLM's default is on: a repeated prompt's TTFT would time a cache hit
     export_cache: str = "~/.cache/quantlab/vllm-exports"
 

@@ -101,7 +101,8 @@ class VllmTarget(Target):
                           max_model_len=min(self.cfg.max_model_len, model.config.max_position_embeddings),
                           kv_cache_dtype=kv_handler(kv.config).mapping("vllm", kv.config).spec["kv_cache_dtype"], kv_cache_gib=self.cfg.kv_cache_gib,
                           max_logprobs=-1 if not self.cfg.logprobs_topk else self.cfg.logprobs_topk,
-                          threads=self.cfg.threads, enforce_eager=self.cfg.enforce_eager)
+                          threads=self.cfg.threads, enforce_eager=self.cfg.enforce_eager,
+                          prefix_caching=self.cfg.prefix_caching)
         log.info("vllm: starting the server on %s (%s, dtype %s)", path.name, spec["format"], dtype)
         eng = VllmEngine(python_path(self.cfg.python), args, model.config.vocab_size, self.cfg.port,
                          self.cfg.ready_timeout_s, self.cfg.logprobs_topk)
