@@ -171,11 +171,12 @@ def context_section(runs, out: Path) -> tuple[str, list[str]]:
         lo, hi = min(r["tpot_at"]), max(r["tpot_at"])
         rise = r["tpot_at"][hi] - r["tpot_at"][lo]
         peak = r["gbs"] / r["util"] if r["gbs"] and r["util"] else None
-        kv = r["kv_mb"].get(hi, 0.0) - r["kv_mb"].get(lo, 0.0) if hi in r["kv_mb"] and lo in r["kv_mb"] else None
+        known = r["kv_mb"].get(hi, 0.0) > 0 and lo in r["kv_mb"]  # 0: an engine that does not say (vLLM's server)
+        kv = r["kv_mb"][hi] - r["kv_mb"][lo] if known else None
         kv_ms = kv * 2**20 / (peak * 1e9) * 1e3 if kv is not None and peak else None
         cells = [_f(c.get(p), ".1f") for p in prompts for c in (r["ttft"], r["tpot_at"])]
         lines.append("| " + " | ".join([r["name"] + (" (emulated)" if r["emulated"] else ""), r["engine"], *cells,
-                                        f"{rise:.2f}", _f(kv_ms, ".2f"), _f(r["kv_mb"].get(hi), ".0f")]) + " |")
+                                        f"{rise:.2f}", _f(kv_ms, ".2f"), _f(r["kv_mb"][hi] if known else None, ".0f")]) + " |")
     files = []
     if context_png(table, out / "context.png"):
         files.append("context.png")

@@ -206,6 +206,10 @@ def test_cost_by_context_splits_the_tpot_rise_into_cache_bytes_and_the_rest(tmp_
     assert files == ["context.png"] and (tmp_path / "context.png").stat().st_size > 0
     row = next(line for line in text.splitlines() if line.startswith("| a |"))
     assert row == f"| a | cpu | 100.0 | 20.0 | 2000.0 | 24.0 | 4.00 | {60 * 2**20 / 30e9 * 1e3:.2f} | 64 |"
+    served = {k: (0.0 if k.endswith("kv_mb") else v) for k, v in m.items()}  # vLLM's server: no cache size
+    row = next(line for line in scaling.context_section([_run("v", served)], tmp_path)[0].splitlines()
+               if line.startswith("| v |"))
+    assert row.endswith("| 4.00 | - | - |")
     one = dict(m)
     for k in [k for k in one if k.startswith("cell/")]:
         del one[k]
