@@ -455,17 +455,16 @@ class RunConfig:
         if self.model.source == "shape" and (on := accuracy_probes(self.probe)):
             raise ValueError(f"model.source=shape has random weights: {', '.join(on)} would measure nothing; use "
                              f"probe=latency (or set probe.<name>.enabled=false)")
+        need, asked = probe_context(self.probe)
         if self.model.source == "shape":
             sh = self.model.shape
             limit = sh.max_position_embeddings or SHAPES[sh.name].max_position_embeddings
-            if (need := probe_context(self.probe))[0] > limit:
-                raise ValueError(f"{need[1]} needs {need[0]} tokens of context; model.shape.name={sh.name} holds "
+            if need > limit:
+                raise ValueError(f"{asked} needs {need} tokens of context; model.shape.name={sh.name} holds "
                                  f"{limit} (its max_position_embeddings): shorten the probe or pick a longer shape")
-        if name := getattr(self.target, "CONTEXT_FIELD", None):
-            need, asked = probe_context(self.probe)
-            if need > (ctx := getattr(self.target, name)):
-                raise ValueError(f"{asked} needs {need} tokens of context; target.{name}={ctx} holds fewer: "
-                                 f"raise target.{name} or shorten the probe")
+        if (name := getattr(self.target, "CONTEXT_FIELD", None)) and need > (ctx := getattr(self.target, name)):
+            raise ValueError(f"{asked} needs {need} tokens of context; target.{name}={ctx} holds fewer: "
+                             f"raise target.{name} or shorten the probe")
 
 
 MODEL_PATH_HINT = "model=hf and model=gguf need model.path=<hub id, local directory or .gguf file>"

@@ -46,7 +46,7 @@ def rows(runs) -> list[dict]:
                     "scheme": r.data.tags.get("scheme", "?"), "engine": r.data.tags.get("target.variant", "?"),
                     "emulated": r.data.tags.get("emulated") == "true", "gb": weight_bytes_read(m) / 1e9,
                     "params": m.get("size/params", 0.0), "tpot": m["lat/tpot_ms_p50"],
-                    "gbs": m.get("bw/achieved_gb_s"), "util": m.get("bw/util"),
+                    "gbs": m.get("bw/achieved_gb_s"), "util": m.get("bw/util"), "peak": m.get("bw/peak_gb_s"),
                     "overhead": m.get("bw/overhead_ms"), "rss": m.get("mem/peak_rss_mb"), "ttft": by_prompt(m),
                     "tpot_at": by_prompt(m, "tpot_ms_p50"), "kv_mb": by_prompt(m, "kv_mb")})
     return sorted(out, key=lambda x: (x["engine"], x["params"], x["gb"]))
@@ -170,13 +170,12 @@ def context_section(runs, out: Path) -> tuple[str, list[str]]:
     for r in table:
         lo, hi = min(r["tpot_at"]), max(r["tpot_at"])
         rise = r["tpot_at"][hi] - r["tpot_at"][lo]
-        peak = r["gbs"] / r["util"] if r["gbs"] and r["util"] else None
         known = r["kv_mb"].get(hi, 0.0) > 0 and lo in r["kv_mb"]  # 0: an engine that does not say (vLLM's server)
-        kv = r["kv_mb"][hi] - r["kv_mb"][lo] if known else None
-        kv_ms = kv * 2**20 / (peak * 1e9) * 1e3 if kv is not None and peak else None
+        kv_mb = r["kv_mb"][hi] if known else None
+        kv_ms = (kv_mb - r["kv_mb"][lo]) * 2**20 / (r["peak"] * 1e9) * 1e3 if known and r["peak"] else None
         cells = [_f(c.get(p), ".1f") for p in prompts for c in (r["ttft"], r["tpot_at"])]
         lines.append("| " + " | ".join([r["name"] + (" (emulated)" if r["emulated"] else ""), r["engine"], *cells,
-                                        f"{rise:.2f}", _f(kv_ms, ".2f"), _f(r["kv_mb"][hi] if known else None, ".0f")]) + " |")
+                                        f"{rise:.2f}", _f(kv_ms, ".2f"), _f(kv_mb, ".0f")]) + " |")
     files = []
     if context_png(table, out / "context.png"):
         files.append("context.png")

@@ -72,6 +72,22 @@ def test_accuracy_probes_on_random_weights_are_refused_in_one_line(tmp_path):
     assert not (tmp_path / "m.db").exists()  # refused before any store was opened
 
 
+def run_sweep(tmp_path, args: list[str], timeout: float = 900):
+    """Runs a sweep into ``tmp_path``'s store: (client, parent run, point runs by
+    name); fails with the command's stderr when it does not exit 0."""
+    out = run_cli(args, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
+    return client, parent, {r.info.run_name: r for r in runs if r is not parent}
+
+
+def report_text(client, parent, tmp_path) -> str:
+    client.download_artifacts(parent.info.run_id, "report.md", str(tmp_path))
+    return (tmp_path / "report.md").read_text()
+
+
 def test_a_scaling_sweep_at_tiny_widths_reports_cost_by_size(tmp_path):
     """+sweep=scaling at tiny widths of two shapes, two schemes, torch CPU and
     llama.cpp (a GGUF of the random weights with the shape's padded vocabulary):
@@ -82,12 +98,7 @@ def test_a_scaling_sweep_at_tiny_widths_reports_cost_by_size(tmp_path):
             "probe.latency.prompt_tokens=32", "probe.latency.new_tokens=8",
             f"tracking.uri=sqlite:///{tmp_path}/m.db", f"tracking.artifact_root={tmp_path}/art",
             *(f"model.shape.{k}={v}" for k, v in TINY.items())]
-    out = run_cli(args, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
-    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
-    parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
-    points = {r.info.run_name: r for r in runs if r is not parent}
+    client, parent, points = run_sweep(tmp_path, args)
     assert set(points) == {f"{m}-random:{s}@{t}" for m in ("smollm2-135m", "qwen2.5-0.5b")
                            for s in ("bf16", "int8") for t in ("cpu", "llamacpp")}
     for r in points.values():
@@ -96,9 +107,7 @@ def test_a_scaling_sweep_at_tiny_widths_reports_cost_by_size(tmp_path):
         assert "cell/b1_p64/ttft_ms_p50" in r.data.metrics and "bw/util" in r.data.metrics
     qwen = points["qwen2.5-0.5b-random:bf16@cpu"].data.metrics
     assert qwen["size/params"] == shapes.resolve("qwen2.5-0.5b", TINY).params  # 151936-token embedding, tied
-    report = (tmp_path / "report.md")
-    client.download_artifacts(parent.info.run_id, "report.md", str(tmp_path))
-    text = report.read_text()
+    text = report_text(client, parent, tmp_path)
     assert "no point is picked by loss" in text and "Within 1% loss" not in text
     assert "Cost by size" in text and "| llamacpp | int8 | 2 |" in text and "| cpu | bf16 | 2 |" in text
     assert "scaling.png" in [a.path for a in client.list_artifacts(parent.info.run_id)]
@@ -167,11 +176,8 @@ def test_shape_points_serve_on_vllm_at_tiny_widths(tmp_path):
             "probe.latency.new_tokens=8", f"tracking.uri=sqlite:///{tmp_path}/m.db",
             f"tracking.artifact_root={tmp_path}/art", f"cache_dir={tmp_path}/c",
             *(f"model.shape.{k}={v}" for k, v in width.items())]
-    out = run_cli(args, timeout=1500)
-    assert out.returncode == 0, out.stderr[-3000:]
-    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
-    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
-    points = {r.info.run_name: r.data for r in runs if r.data.tags.get("quantlab.role") != "sweep"}
+    client, parent, runs = run_sweep(tmp_path, args, timeout=1500)
+    points = {name: r.data for name, r in runs.items()}
     assert len(points) == 4
     int4_runs = "avx512_bf16" in hardware.cpu_flags()
     for name, r in points.items():
@@ -181,9 +187,7 @@ def test_shape_points_serve_on_vllm_at_tiny_widths(tmp_path):
         assert r.tags["quantlab.outcome"] == "finished", (name, r.tags.get("quantlab.reason"))
         assert r.tags["model.random_weights"] == "true" and r.metrics["lat/tpot_ms_p50"] > 0
         assert r.metrics["vllm/ready_s"] > 0 and "fid/kl_mean" not in r.metrics
-    parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
-    client.download_artifacts(parent.info.run_id, "report.md", str(tmp_path))
-    assert "| vllm | bf16 | 2 |" in (tmp_path / "report.md").read_text()  # the cost-by-size fit over both shapes
+    assert "| vllm | bf16 | 2 |" in report_text(client, parent, tmp_path)  # the cost-by-size fit over both shapes
 
 
 def _run(name: str, metrics: dict[str, float]):
@@ -197,11 +201,12 @@ def _run(name: str, metrics: dict[str, float]):
 
 def test_cost_by_context_splits_the_tpot_rise_into_cache_bytes_and_the_rest(tmp_path):
     """TPOT rises 4 ms from a 128- to a 2,048-token prompt while the cache grows
-    by 60 MiB; at 30 GB/s (achieved 15 GB/s at 50 %), 60 MiB take 2.10 ms."""
+    by 60 MiB; at the host's measured 30 GB/s, 60 MiB take 2.10 ms."""
     from quantlab import scaling
     m = {"lat/batch_size": 1.0, "lat/prompt_tokens": 128.0, "lat/ttft_ms_p50": 100.0, "lat/tpot_ms_p50": 20.0,
          "mem/kv_mb": 4.0, "cell/b1_p2048/ttft_ms_p50": 2000.0, "cell/b1_p2048/tpot_ms_p50": 24.0,
-         "cell/b1_p2048/kv_mb": 64.0, "size/weight_bytes": 3e8, "bw/achieved_gb_s": 15.0, "bw/util": 0.5}
+         "cell/b1_p2048/kv_mb": 64.0, "size/weight_bytes": 3e8, "bw/achieved_gb_s": 15.0, "bw/util": 0.5,
+         "bw/peak_gb_s": 30.0}
     text, files = scaling.context_section([_run("a", m)], tmp_path)
     assert files == ["context.png"] and (tmp_path / "context.png").stat().st_size > 0
     row = next(line for line in text.splitlines() if line.startswith("| a |"))
@@ -235,19 +240,13 @@ def test_the_context_sweep_at_tiny_widths_reports_cost_by_context(tmp_path):
             "probe.latency.new_tokens=4", "probe.latency.repeats=1",
             f"tracking.uri=sqlite:///{tmp_path}/m.db", f"tracking.artifact_root={tmp_path}/art",
             *(f"model.shape.{k}={v}" for k, v in TINY.items())]
-    out = run_cli(args, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
-    runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
-    parent = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep")
-    points = {r.info.run_name: r for r in runs if r is not parent}
+    client, parent, points = run_sweep(tmp_path, args)
     assert set(points) == {f"qwen2.5-0.5b-random:{s}@{t}" for s in ("bf16", "int4-g32-sym")
                            for t in ("cpu", "llamacpp")}
     for r in points.values():
         assert r.data.tags["quantlab.outcome"] == "finished", r.data.tags
         assert r.data.metrics["cell/b1_p64/tpot_ms_p50"] > 0 and r.data.metrics["cell/b1_p64/kv_mb"] > \
             r.data.metrics["mem/kv_mb"] > 0
-    client.download_artifacts(parent.info.run_id, "report.md", str(tmp_path))
-    text = (tmp_path / "report.md").read_text()
+    text = report_text(client, parent, tmp_path)
     assert "Cost by context" in text and "| qwen2.5-0.5b-random:int4-g32-sym@llamacpp | llamacpp |" in text
     assert "context.png" in [a.path for a in client.list_artifacts(parent.info.run_id)]
