@@ -2,6 +2,7 @@
 computation, local task data, recovery. Uses ../shared/data (QUANTLAB_DATA_DIR)."""
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -268,9 +269,12 @@ def test_boolq_local_says_how_it_differs_from_lm_eval(tmp_path):
 
 @needs_data
 def test_adaptive_perplexity_stops_a_clear_point_and_the_report_bounds_it_over_its_looks(tmp_path):
-    """fp32 (a baseline candidate) scores the cap; int8 on the tiny model
-    (a per-token NLL change ~1e-3) stops once both budgets are decided; the
-    report pairs it on the windows it scored with the anytime-valid bound."""
+    """fp32 (identical to the reference, shown by the fidelity probe) takes
+    the reference's windows over the cap, scoring them once on its own engine
+    to fill the cache; int8 on the tiny model (a per-token NLL change ~1e-3)
+    stops once both budgets are decided; the report pairs it on the windows
+    it scored with the anytime-valid bound."""
+    from safetensors.torch import load_file
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/m.db"
@@ -285,7 +289,12 @@ def test_adaptive_perplexity_stops_a_clear_point_and_the_report_bounds_it_over_i
     ppl = "ppl_token_wikitext2_w128_rand16"  # named by the cap, however many windows a point scored
     fp32, int8 = runs["fp32@cpu"].data, runs["int8@cpu"].data
     assert fp32.metrics[f"{ppl}_windows"] == 16 and f"{ppl}_adaptive_cap" not in fp32.metrics
-    assert fp32.tags["probe.perplexity.stop"].startswith("baseline candidate")
+    assert fp32.metrics["fid/identical"] == 1.0
+    assert fp32.tags["probe.perplexity.stop"] == "identical to the reference: its 16 windows are the reference's"
+    [ref_file] = (tmp_path / "cache" / "reference_nll").glob("*.safetensors")
+    ref = load_file(ref_file)["value"]
+    assert tracker(c.tracking_uri).items(runs["fp32@cpu"].info.run_id)[ppl] == [round(float(x), 5) for x in ref.ravel()]
+    assert (proc.stdout + proc.stderr).count("computing the reference model's reference_nll") == 1
     assert int8.metrics[f"{ppl}_windows"] < 16 and int8.metrics[f"{ppl}_adaptive_cap"] == 16
     assert int8.tags["probe.perplexity.stop"].startswith("decided at")
     assert len(tracker(c.tracking_uri).items(runs["int8@cpu"].info.run_id)[ppl]) == int8.metrics[f"{ppl}_windows"] * 127
@@ -296,7 +305,8 @@ def test_adaptive_perplexity_stops_a_clear_point_and_the_report_bounds_it_over_i
 
 @needs_data
 def test_adaptive_lm_eval_stops_a_clear_point_and_the_report_bounds_it_over_its_looks(tmp_path):
-    """fp32 (a baseline candidate) scores the cap of 200 documents; int8 on
+    """fp32 (identical to the reference) takes the reference's 200 documents
+    (the cap, scored once on its own engine to fill the cache); int8 on
     the tiny model (the reference's answers, nearly all) stops at a look once
     the (generous, for a test) budget is decided; the report bounds it over
     its looks and says why each point stopped."""
@@ -315,7 +325,12 @@ def test_adaptive_lm_eval_stops_a_clear_point_and_the_report_bounds_it_over_its_
     acc = "acc/arc_easy_local"
     fp32, int8 = runs["fp32@cpu"].data, runs["int8@cpu"].data
     assert fp32.metrics[f"{acc}_documents"] == 200 and f"{acc}_adaptive_cap" not in fp32.metrics
-    assert fp32.tags["probe.accuracy.stop"] == "arc_easy_local: baseline candidate: scored the cap"
+    assert fp32.tags["probe.accuracy.stop"] == \
+        "arc_easy_local: identical to the reference: its 200 documents are the reference's"
+    [ref_file] = (tmp_path / "cache" / "reference_docs").glob("*.json")
+    ref_docs = json.loads(ref_file.read_text())["arc_easy_local"]["acc"]
+    fp32_items = tracker(c.tracking_uri).items(runs["fp32@cpu"].info.run_id)
+    assert fp32_items[acc] == [ref_docs[str(int(d))] for d in fp32_items["doc_ids/arc_easy_local"]]
     assert int8.metrics[f"{acc}_documents"] < 200 and int8.metrics[f"{acc}_adaptive_cap"] == 200
     assert int8.tags["probe.accuracy.stop"].startswith("arc_easy_local: decided at")
     items = tracker(c.tracking_uri).items(runs["int8@cpu"].info.run_id)

@@ -145,14 +145,16 @@ def as_items(stops: dict[str, TaskStop]) -> dict[str, list[float]]:
 
 
 def run(engine, tok, cfg: AccuracyProbeConfig, data_dir: str | None, cache_dir: str, seed: int, ref_key: dict,
-        reference_engine: Callable[[], object], score_all: bool,
+        reference_engine: Callable[[], object], score_all: bool, identical: bool = False,
         progress: Callable[[str], None] = lambda _: None) -> tuple[dict[str, float], dict, dict, dict[str, str]]:
     """The adaptive accuracy probe on ``engine``: metrics (``acc/<task>`` over
     the documents scored, their standard errors, ``acc/<task>_documents`` and,
-    unless ``score_all``, the design: ``_adaptive_cap`` / ``_adaptive_chunk``),
-    lm-eval's results per look, per-document items in look order, and why
-    each task stopped. ``reference_engine()`` builds the reference model on a
-    cache miss only."""
+    unless ``score_all`` or ``identical``, the design: ``_adaptive_cap`` /
+    ``_adaptive_chunk``), lm-eval's results per look, per-document items in
+    look order, and why each task stopped. ``reference_engine()`` builds the
+    reference model on a cache miss only. ``identical``: the point's outputs
+    equal the reference's (shown by the fidelity probe), so its documents are
+    the reference's over the cap (scored by ``engine`` on a miss)."""
     from quantlab.probes import lm_adapter
 
     include, counts = accuracy.prepare_tasks(list(cfg.tasks), data_dir, cache_dir)
@@ -170,17 +172,23 @@ def run(engine, tok, cfg: AccuracyProbeConfig, data_dir: str | None, cache_dir: 
     data = {t: sha256_file(include / f"{accuracy.CONVERTERS[t][0]}.jsonl") for t in cfg.tasks}
     key = {**ref_key, "data": data, "seed": seed, "lm_eval": version("lm-eval"), "max_length": cfg.max_length,
            "scorer": sha256_file(Path(lm_adapter.__file__))}  # how documents are batched and scored
-    reference = reference_scores(key, orders, cache_dir, lambda: scorer(reference_engine(), [])(orders))
+    reference = reference_scores(key, orders, cache_dir,
+                                 lambda: scorer(engine if identical else reference_engine(), [])(orders))
     looks: list = []
-    stops = evaluate(scorer(engine, looks), orders, reference, cfg.adaptive_chunk, cfg.adaptive_budgets,
-                     cfg.adaptive_alpha, score_all, progress)
+    if identical:
+        stops = {t: TaskStop(list(o), {m: [s[d] for d in o] for m, s in reference[t].items()},
+                             f"identical to the reference: its {len(o)} documents are the reference's")
+                 for t, o in orders.items()}
+    else:
+        stops = evaluate(scorer(engine, looks), orders, reference, cfg.adaptive_chunk, cfg.adaptive_budgets,
+                         cfg.adaptive_alpha, score_all, progress)
     items = as_items(stops)
     metrics = accuracy.item_stderrs(items)
     for t, st in stops.items():
         for metric, scores in st.scores.items():
             metrics[f"{metric}/{t}"] = sum(scores) / len(scores)
             metrics[f"{metric}/{t}_documents"] = float(len(scores))
-            if not score_all:  # a baseline candidate's design is fixed: the report bounds it as one
+            if not (score_all or identical):  # the cap scored: the report bounds it as a fixed design
                 metrics[f"{metric}/{t}_adaptive_cap"] = float(len(orders[t]))
                 metrics[f"{metric}/{t}_adaptive_chunk"] = float(cfg.adaptive_chunk)
     return metrics, {"looks": looks}, items, {t: st.reason for t, st in stops.items()}

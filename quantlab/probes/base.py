@@ -90,6 +90,14 @@ class ProbeContext:
         dtype = getattr(torch, self.cfg.probe.fidelity.reference_dtype)
         return TorchEngine(models.load(self.cfg.model, self.cfg.cache_dir, dtype)[0])
 
+    def identical_to_reference(self) -> bool:
+        """The fidelity probe found the point's log-probabilities equal to the
+        reference model's at every position (``fid/identical``, shown by its
+        outputs): its scores are the reference's, so the adaptive probes take
+        them from the reference's cache, filled by this point's engine on a
+        miss (no second model loaded, nothing scored twice)."""
+        return self.metrics.get("fid/identical") == 1.0
+
     def baseline_candidate(self) -> bool:
         """A point the sweep may take as its baseline (float weights, or the
         ``recovery_baseline`` scheme): adaptive probes score its cap, since

@@ -85,10 +85,16 @@ class PerplexityProbe:
     def _adaptive(ctx: ProbeContext, wins: torch.Tensor, metric: str, out: ProbeResult):
         """Where the point could stop early (not a baseline candidate), logs
         ``<metric>_adaptive_cap`` / ``_adaptive_chunk``: the report's
-        sequential bound reads them."""
-        cfg, ppl = ctx.cfg, ctx.cfg.probe.perplexity
-        ref = fidelity.cached("reference_nll", ctx.reference_key(), wins, cfg.cache_dir,
-                              lambda: torch.from_numpy(perplexity.token_nll(ctx.reference_engine(), wins)))
+        sequential bound reads them. A point identical to the reference
+        (:meth:`ProbeContext.identical_to_reference`) takes the reference's
+        windows over the cap: the fixed design's."""
+        cfg, ppl, same = ctx.cfg, ctx.cfg.probe.perplexity, ctx.identical_to_reference()
+        ref = fidelity.cached("reference_nll", ctx.reference_key(), wins, cfg.cache_dir, lambda: torch.from_numpy(
+            perplexity.token_nll(ctx.engine if same else ctx.reference_engine(), wins)))
+        if same:
+            out.tags[point.PPL_STOP_TAG] = f"identical to the reference: its {len(wins)} windows are the reference's"
+            ctx.log("perplexity: %s", out.tags[point.PPL_STOP_TAG])
+            return ref.numpy()
         baseline = ctx.baseline_candidate()
         st = perplexity.adaptive_nll(ctx.engine, wins, ref.numpy(), ppl.adaptive_chunk, ppl.adaptive_budgets,
                                      ppl.adaptive_alpha, baseline, lambda line: ctx.log("perplexity: %s", line))
@@ -115,7 +121,8 @@ class AccuracyProbe:
         if acc.adaptive:
             metrics, results, items, stops = accuracy_adaptive.run(
                 ctx.engine, ctx.tokenizer, acc, cfg.data_dir, cfg.cache_dir, cfg.seed, ctx.reference_key(),
-                ctx.reference_engine, ctx.baseline_candidate(), lambda line: ctx.log("lm-eval: %s", line))
+                ctx.reference_engine, ctx.baseline_candidate(), ctx.identical_to_reference(),
+                lambda line: ctx.log("lm-eval: %s", line))
             out.tags[point.ACC_STOP_TAG] = "; ".join(f"{t}: {why}" for t, why in stops.items())
             ctx.log("lm-eval: %s", out.tags[point.ACC_STOP_TAG])
         else:
