@@ -12,7 +12,8 @@ it stopped, and per budget and metric (the perplexity the report decides on,
 then each task's ``acc_norm``) the points Holm's rule qualifies in each
 design (the decision adaptivity can change; the pick among them is by
 latency, timed anew in each sweep). The reference model's own windows and
-documents (scored once, cached) are counted in the adaptive totals.
+documents (scored once, cached) are counted in the adaptive totals, once:
+a point identical to the reference scores them for the cache and itself.
 
     QUANTLAB_DATA_DIR=../shared/data python benchmarks/adaptive_evaluation.py \
         [--points fp32,bf16,int8,int4-g64,int4-g32,nf4] [--window 512] [--cap 16] [--chunk 2] \
@@ -109,10 +110,14 @@ def main() -> None:
         a = adaptive.get(n, (0, {}, "-"))
         print(f"{n:24} {f'{fixed[n][0]}/{a[0]}':>23} "
               f"{f'{sum(fixed[n][1].values())}/{sum(a[1].values())}':>25}  {a[2]}")
+    same = [n for n, a in adaptive.items() if "identical to the reference" in a[2]]
     for what, i, ref in (("windows", 0, args.cap), ("documents", 1, args.limit * len(tasks))):
         tot_f = sum(v[i] if i == 0 else sum(v[i].values()) for v in fixed.values())
         tot_a = sum(v[i] if i == 0 else sum(v[i].values()) for v in adaptive.values())
-        if tot_f:
+        if tot_f and same:  # the reference's were that point's own, scored once (or cached before)
+            print(f"{what} scored: fixed {tot_f}, adaptive {tot_a} = {tot_a / tot_f:.2f} of the fixed design "
+                  f"(the reference model's are {', '.join(same)}'s, identical to it)")
+        elif tot_f:
             print(f"{what} scored: fixed {tot_f}, adaptive {tot_a} + {ref} for the reference model = "
                   f"{(tot_a + ref) / tot_f:.2f} of the fixed design ({tot_a / tot_f:.2f} without it)")
     print(f"sweep wall time: fixed {secs['fixed'] / 60:.1f} min, adaptive {secs['adaptive'] / 60:.1f} min")
