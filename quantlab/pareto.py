@@ -26,6 +26,7 @@ class Point:
     p_value: Callable[[float], float] | None = None  # None: 0 when loss_upper is within the budget, else 1
     method: str = ""  # what the bound resamples, for the report
     contended: bool = False  # its cost was timed beside other work (inflated: a latency up, a capacity down)
+    cost_range: tuple[float, float] | None = None  # least and greatest of its requests' costs (None: one request)
 
     def p_at(self, budget: float) -> float:
         if self.p_value is not None:
@@ -61,6 +62,9 @@ class Recommendation:
     # qualified points that lost on a cost timed beside other work: contention only
     # inflates a cost, so the timing cannot tell whether they would have won
     contended: tuple[Point, ...] = ()
+    # qualified points that lost on a cost whose requests' range overlaps the pick's:
+    # the timing does not order them (a repeat of the sweep may pick either)
+    close: tuple[Point, ...] = ()
 
 
 def fastest_within(points: list[Point], budget: float, include_emulated: bool = False,
@@ -70,7 +74,8 @@ def fastest_within(points: list[Point], budget: float, include_emulated: bool = 
     (family-wise error at most ``alpha``, whatever their dependence). Emulated
     points are excluded by default: their latency is not that of the scheme.
     A contended winner stays the pick (its cost is if anything lower);
-    contended losers are listed, since their true cost may beat it."""
+    contended losers are listed, since their true cost may beat it, and so
+    are losers whose requests' costs overlap the pick's (``close``)."""
     real = [p for p in points if include_emulated or not p.emulated]
     passed = holm([p.p_at(budget) for p in real], alpha)
     ok = [p for p, yes in zip(real, passed) if yes]
@@ -80,4 +85,12 @@ def fastest_within(points: list[Point], budget: float, include_emulated: bool = 
     if best is None:
         return Recommendation(None, budget, float("nan"), 0, undecided)
     contended = tuple(sorted((p for p in ok if p.contended and p is not best), key=lambda p: (p.cost, p.name)))
-    return Recommendation(best, budget, budget - best.upper, len(ok), undecided, contended)
+    close = tuple(sorted((p for p in ok if p is not best and not p.contended and overlap(p, best)),
+                         key=lambda p: (p.cost, p.name)))
+    return Recommendation(best, budget, budget - best.upper, len(ok), undecided, contended, close)
+
+
+def overlap(a: Point, b: Point) -> bool:
+    """The two points' request cost ranges overlap (False when either has none)."""
+    return a.cost_range is not None and b.cost_range is not None and \
+        a.cost_range[0] <= b.cost_range[1] and b.cost_range[0] <= a.cost_range[1]

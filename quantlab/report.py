@@ -215,8 +215,13 @@ def run_loss(run, metric: str, base=None, items: dict | None = None) -> decision
                          items.get(base.info.run_id, {}) if base is not None else {}, is_base)
 
 
+# a cost's spread over the requests that timed it: the least and the greatest request's figure
+RANGES = {"lat/tpot_ms_p50": ("lat/tpot_ms_req_lo", "lat/tpot_ms_req_hi")}
+
+
 def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -> list[Point]:
-    """Finished runs with both a loss (see :func:`run_loss`) and ``cost``."""
+    """Finished runs with both a loss (see :func:`run_loss`) and ``cost``
+    (and its request range, :data:`RANGES`, where logged)."""
     out = []
     for r in runs:
         m = r.data.metrics
@@ -224,9 +229,11 @@ def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -
             continue
         lo = run_loss(r, metric, base, items)
         if lo is not None:
+            span = RANGES.get(cost, ("", ""))
             out.append(Point(r.info.run_name, m[cost], lo.value, r.data.tags.get(point.EMULATED_TAG) == "true",
                              lo.upper if lo.bounded else None, lo.bound.p_value if lo.bounded else None,
-                             lo.bound.method, point.CONTENDED_TAG in r.data.tags))
+                             lo.bound.method, point.CONTENDED_TAG in r.data.tags,
+                             (m[span[0]], m[span[1]]) if {*span} <= m.keys() else None))
     return out
 
 
@@ -340,6 +347,14 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
                          + " also qualified but were timed beside other work, which only makes a point look "
                          "worse; re-time them on idle cores (`force=true`, the points alone) before taking this "
                          "pick over them.")
+        if rec.close:
+            r = rec.point.cost_range
+            lines.append("  - close on latency: " + ", ".join(
+                f"{p.name} ({p.cost:.2f} {unit}, +{p.cost / rec.point.cost - 1:.1%}; requests "
+                f"{p.cost_range[0]:.2f}-{p.cost_range[1]:.2f})" for p in rec.close)
+                + f" also qualified, and their requests' TPOTs overlap the pick's ({r[0]:.2f}-{r[1]:.2f} {unit}): "
+                "this timing does not order them, and a repeat of the sweep may pick either; more "
+                "`probe.latency.repeats` would.")
         for p in rec.undecided:
             lines.append(f"  - cannot tell: {p.name} is better ({sign * p.cost:.2f} {unit}) with loss {_loss_text(p)}; "
                          f"the estimate is within {what}, but \"loss >= {b:g}\" has p = {p.p_at(b):.3g}, which "

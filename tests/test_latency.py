@@ -63,6 +63,26 @@ def test_repeats_until_count_and_duration(tiny, monkeypatch, repeats, min_second
     assert len(runs) == expect and metrics["lat/e2e_ms_p50"] == pytest.approx(100.0)
 
 
+def test_tpot_range_is_the_least_and_greatest_requests_median_step(tiny, monkeypatch):
+    """Each request's TPOT is the median of its decode steps; the range the
+    report compares picks by spans the requests' (none from one request)."""
+    model, tok = tiny
+    steps = iter([[100.0, 100.0, 100.0], [10.0, 30.0, 12.0], [20.0, 21.0, 22.0], [9.0, 11.0, 50.0]])
+
+    def request(*args, **kwargs):
+        return latency.RequestTiming(tokenize_ms=0.0, prefill_ms=90.0, ttft_ms=90.0, step_ms=next(steps))
+
+    monkeypatch.setattr(latency, "run_request", request)
+    cfg = LatencyProbeConfig(prompt_tokens=8, new_tokens=3, repeats=3, min_seconds=0.0, warmup=1)
+    metrics, _ = latency.measure_cell(TorchEngine(model), tok, corpus.prompt_text(tok, 8), cfg, 1, 8)
+    assert (metrics["lat/tpot_ms_req_lo"], metrics["lat/tpot_ms_req_hi"]) == (11.0, 21.0)  # warm-up not counted
+    steps = iter([[10.0], [5.0]])
+    metrics, _ = latency.measure_cell(TorchEngine(model), tok, corpus.prompt_text(tok, 8),
+                                      LatencyProbeConfig(prompt_tokens=8, new_tokens=1, repeats=1, min_seconds=0.0,
+                                                         warmup=1), 1, 8)
+    assert "lat/tpot_ms_req_lo" not in metrics
+
+
 def test_repeats_on_the_real_clock(tiny):
     """On the real engine: at least ``repeats``, and either ``min_seconds`` reached or the cap."""
     model, tok = tiny

@@ -72,3 +72,18 @@ def test_frontier_properties(cs):
             assert any(dominates(q, p) for q in front)
     # along the frontier, cost rises and loss falls
     assert all(a.cost <= b.cost and a.loss >= b.loss for a, b in zip(front, front[1:]))
+
+
+def test_a_loser_whose_requests_overlap_the_picks_is_close_others_are_not():
+    """The headline sweep on an AVX-512 EPYC, fixed design then adaptive: int8
+    (requests 24.77-28.33 ms) won one sweep, fp16 (27.60-27.68 ms) the other;
+    their request ranges overlap, so the pick names fp16 as close. bf16
+    (44.29-47.51 ms) is apart; a contended loser is listed as contended, not close."""
+    int8 = _known("int8", 25.67, 0.001, cost_range=(24.77, 28.33))
+    fp16 = _known("fp16", 27.60, 0.0, cost_range=(27.60, 27.68))
+    bf16 = _known("bf16", 46.50, 0.001, cost_range=(44.29, 47.51))
+    r = fastest_within([int8, fp16, bf16], 0.01)
+    assert r.point is int8 and r.close == (fp16,)
+    busy = _known("busy", 26.0, 0.0, cost_range=(25.0, 27.0), contended=True)
+    r = fastest_within([int8, busy, _known("one-request", 26.5, 0.0)], 0.01)
+    assert r.close == () and r.contended == (busy,)  # a point timed by one request has no range: never close

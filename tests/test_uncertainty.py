@@ -293,6 +293,27 @@ def test_contended_timings_are_marked_and_the_pick_says_when_it_rests_on_one():
     assert recs[0.01].point.name == "int8" and recs[0.01].contended == () and "cannot tell on latency" not in body
 
 
+def test_the_pick_names_a_loser_whose_requests_overlap_its_own():
+    """Two headline sweeps, one after the other, picked int8 then fp16: their
+    TPOTs per request overlapped (the figures below are the first sweep's).
+    The pick says so; a point apart from it is not named."""
+    ppl = "ppl_token_wikitext2_w1024"
+    se = {f"{ppl}_ln_stderr": 1e-4}
+
+    def timed(name, bits, p50, lo, hi):
+        return _run(name, bits, {ppl: 20.0, **se, "lat/tpot_ms_p50": p50, "lat/tpot_ms_req_lo": lo,
+                                 "lat/tpot_ms_req_hi": hi})
+    runs = [timed("fp32", 32, 54.73, 53.9, 55.6), timed("fp16", 16, 27.60, 27.60, 27.68),
+            timed("int8", 8, 25.67, 24.77, 28.33), timed("bf16", 16, 46.50, 44.29, 47.51)]
+    body, recs = report.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
+    assert recs[0.01].point.name == "int8" and [p.name for p in recs[0.01].close] == ["fp16"]
+    assert ("close on latency: fp16 (27.60 ms/token, +7.5%; requests 27.60-27.68) also qualified, and their "
+            "requests' TPOTs overlap the pick's (24.77-28.33 ms/token)") in body
+    del runs[2].data.metrics["lat/tpot_ms_req_lo"]  # a point timed by one request: no range, nothing said
+    body, recs = report.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
+    assert recs[0.01].close == () and "close on latency" not in body
+
+
 def test_the_report_says_when_latency_differences_are_the_engines_overhead():
     """As measured by benchmarks/runtimes.py on an AVX2 EPYC: every scheme at
     0.98-1.02x bf16 on the eager engine, 44-53 ms of a 55-63 ms step beyond

@@ -8,6 +8,7 @@ requests are run and discarded first.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -93,6 +94,9 @@ def measure_cell(engine, tokenizer, prompt: str, cfg: LatencyProbeConfig, batch:
     if steps:
         metrics.update(summarize("lat/tpot_ms", steps))
         metrics["tput/decode_tok_s"] = batch * 1000.0 / metrics["lat/tpot_ms_mean"]
+        per_request = [statistics.median(r.step_ms) for r in runs if r.step_ms]
+        if len(per_request) >= 2:  # the spread of one request's TPOT to the next: what the P50 can resolve
+            metrics["lat/tpot_ms_req_lo"], metrics["lat/tpot_ms_req_hi"] = min(per_request), max(per_request)
     total_ms = sum(r.e2e_ms for r in runs)
     metrics["tput/e2e_tok_s"] = batch * cfg.new_tokens * len(runs) * 1000.0 / total_ms
     metrics["tput/req_s"] = batch * len(runs) * 1000.0 / total_ms
