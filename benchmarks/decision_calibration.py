@@ -14,7 +14,11 @@ budget. Designs:
 - ``fixed16``: 16 windows of 128 tokens drawn at random (the headline now);
 - ``adaptive``: the same 16 as a cap, 4 windows a look from 8, stopped by
   the probe's own rule (``perplexity.adaptive_nll`` at the probe's default
-  per-point alpha) and bounded by the report's anytime-valid bound.
+  per-point alpha) and bounded by the report's anytime-valid bound;
+- ``fixed64`` / ``adaptive64``: 64 windows of 128 tokens, fixed, or as the
+  adaptive design's cap (what more evidence buys where the headline's 16
+  cannot decide, and what stopping saves of it: ``--designs``).
+Each adaptive row also prints the mean windows a trial scored at each true loss.
 Also the two document-level and position-level losses: ``accuracy`` (paired
 0/1 documents) and ``top1`` (1 - top-1 agreement over 8 windows of 64
 positions, windows differing in their disagreement rate).
@@ -22,7 +26,8 @@ positions, windows differing in their disagreement rate).
 Goals printed: false qualification at the budget <= 5 % + 2 se in every
 cell; at 1.5x the budget <= 1 %; power at half the 5 % budget >= 80 %.
 
-    python benchmarks/decision_calibration.py [--trials 2000] [--seed 0] [--quick]
+    python benchmarks/decision_calibration.py [--trials 2000] [--seed 0] [--quick] \
+        [--designs first2,fixed16,adaptive] [--no-other]
 """
 from __future__ import annotations
 
@@ -44,7 +49,9 @@ SIGMA = {0.01: 0.1, 0.05: 0.3}  # per-token sd of the paired NLL difference (int
 MULTIPLES = (1.0, 1.5, 0.5)  # true loss as a multiple of the budget: at it, over it (H0), half of it (power)
 TAUS = (0.0, 0.005, 0.01, 0.02)
 NOISES = ("ar0.3", "ar0.8", "t3")
-DESIGNS = {"first2": (2, 1024), "fixed16": (16, 128), "adaptive": (16, 128)}
+DESIGNS = {"first2": (2, 1024), "fixed16": (16, 128), "adaptive": (16, 128), "fixed64": (64, 128),
+           "adaptive64": (64, 128)}
+DEFAULT_DESIGNS = ("first2", "fixed16", "adaptive")
 ADAPTIVE_CHUNK, ADAPTIVE_ALPHA = 4, 0.005  # the probe's per-point alpha (config default)
 
 
@@ -73,19 +80,23 @@ class _Given:
         return (torch.from_numpy(-self.nll[int(ids[0, 0])])[None],)
 
 
-def perplexity_loss(rng, design: str, budget: float, multiple: float, tau: float, kind: str) -> decision.Loss:
-    """One point's loss on the report's path, its NLLs drawn as the module says."""
+def perplexity_loss(rng, design: str, budget: float, multiple: float, tau: float, kind: str,
+                    scored: list | None = None) -> decision.Loss:
+    """One point's loss on the report's path, its NLLs drawn as the module
+    says; ``scored`` hears how many windows the point scored."""
     windows, window = DESIGNS[design]
     base = rng.gamma(2.0, 1.5, (windows, window - 1))
     point = base + _diffs(rng, windows, window, -math.log(1 - multiple * budget), tau, SIGMA[budget], kind)
     key = perplexity.metric_name(window, windows, None)
     metrics = {f"{key}_windows": float(windows)}
-    if design == "adaptive":
+    if design.startswith("adaptive"):
         ids = torch.arange(windows)[:, None].expand(windows, window).clone()
         point = perplexity.adaptive_nll(_Given(point), ids, base, ADAPTIVE_CHUNK, BUDGETS, ADAPTIVE_ALPHA).nll
         metrics = {f"{key}_windows": float(len(point)), f"{key}_adaptive_cap": float(windows),
                    f"{key}_adaptive_chunk": float(ADAPTIVE_CHUNK)}
     metrics[key] = math.exp(point.mean())
+    if scored is not None:
+        scored.append(len(point))
     return decision.loss(key, metrics, {key: list(point.ravel())},
                          {key: math.exp(base.mean()), f"{key}_windows": float(windows)}, {key: list(base.ravel())})
 
@@ -132,41 +143,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tau 0 and 0.02, AR 0.3 only")
+    ap.add_argument("--designs", default=",".join(DEFAULT_DESIGNS), help=f"of {', '.join(DESIGNS)}")
+    ap.add_argument("--no-other", action="store_true", help="perplexity only (no top-1 or accuracy rows)")
     args = ap.parse_args(argv)
+    designs = [d for d in args.designs.split(",") if d]
+    if odd := [d for d in designs if d not in DESIGNS]:
+        ap.error(f"unknown design {', '.join(odd)}; valid: {', '.join(DESIGNS)}")
     rng = np.random.default_rng(args.seed)
     taus, noises = ((0.0, 0.02), ("ar0.3",)) if args.quick else (TAUS, NOISES)
     print(f"qualification rate through decision.loss -> Bound.p_value -> fastest_within, one point a trial, "
           f"{args.trials} trials a cell, seed {args.seed}; stated level {1 - uncertainty.LEVEL:.0%} one-sided; "
           f"sigma per budget {SIGMA}; min units {uncertainty.MIN_UNITS}")
-    print("| loss | design | noise | tau | budget | at budget (se) | 1.5x (se) | 0.5x: power (se) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| loss | design | noise | tau | budget | at budget (se) | 1.5x (se) | 0.5x: power (se) | windows 1x / 1.5x / "
+          "0.5x |")
+    print("|---|---|---|---|---|---|---|---|---|")
     worst, worst15, t0 = 0.0, 0.0, time.perf_counter()
     power5 = []
-    for design, kind, tau, budget in itertools.product(DESIGNS, noises, taus, BUDGETS):
-        cells = [rate(lambda m=m: perplexity_loss(rng, design, budget, m, tau, kind), budget, args.trials)
-                 for m in MULTIPLES]
+    for design, kind, tau, budget in itertools.product(designs, noises, taus, BUDGETS):
+        scored: dict[float, list] = {m: [] for m in MULTIPLES}
+        cells = [rate(lambda m=m: perplexity_loss(rng, design, budget, m, tau, kind, scored[m]), budget,
+                      args.trials) for m in MULTIPLES]
         print(f"| perplexity | {design} | {kind} | {tau:g} | {budget:g} | "
-              + " | ".join(f"{p:.3f} ({se:.3f})" for p, se in cells) + " |", flush=True)
+              + " | ".join(f"{p:.3f} ({se:.3f})" for p, se in cells) + " | "
+              + " / ".join(f"{np.mean(scored[m]):.1f}" for m in MULTIPLES) + " |", flush=True)
         worst = max(worst, cells[0][0] - 2 * cells[0][1])
         worst15 = max(worst15, cells[1][0])
         if budget == 0.05 and design != "first2":
             power5.append(cells[2][0])
-    for tau, budget in itertools.product((0.0, 0.02), BUDGETS):
+    for tau, budget in itertools.product((0.0, 0.02), () if args.no_other else BUDGETS):
         cells = [rate(lambda m=m: top1_loss(rng, budget, m, tau), budget, args.trials) for m in MULTIPLES]
         print(f"| top-1 | 8 x 64 | ar0.5 | {tau:g} | {budget:g} | "
-              + " | ".join(f"{p:.3f} ({se:.3f})" for p, se in cells) + " |", flush=True)
+              + " | ".join(f"{p:.3f} ({se:.3f})" for p, se in cells) + " | - |", flush=True)
         worst = max(worst, cells[0][0] - 2 * cells[0][1])
         worst15 = max(worst15, cells[1][0])
-    for budget in BUDGETS:
+    for budget in () if args.no_other else BUDGETS:
         cells = [rate(lambda m=m: accuracy_loss(rng, budget, m), budget, args.trials) for m in MULTIPLES]
         print(f"| accuracy | 200 documents | - | - | {budget:g} | "
-              + " | ".join(f"{p:.3f} ({se:.3f})" for p, se in cells) + " |", flush=True)
+              + " | ".join(f"{p:.3f} ({se:.3f})" for p, se in cells) + " | - |", flush=True)
         worst = max(worst, cells[0][0] - 2 * cells[0][1])
         worst15 = max(worst15, cells[1][0])
     print(f"\ngoal: false qualification at the budget minus 2 se <= 0.05 in every cell: worst {worst:.3f} "
           f"({'met' if worst <= 0.05 else 'NOT met'})")
     print(f"goal: at 1.5x the budget <= 0.01: worst {worst15:.3f} ({'met' if worst15 <= 0.01 else 'NOT met'})")
-    print(f"goal: power at half the 5 % budget >= 0.80 (perplexity, fixed16 and adaptive): least "
+    print(f"goal: power at half the 5 % budget >= 0.80 (perplexity, {', '.join(designs)}): least "
           f"{min(power5):.3f} ({'met' if min(power5) >= 0.8 else 'NOT met'})")
     print(f"({time.perf_counter() - t0:.0f} s)")
     return 0

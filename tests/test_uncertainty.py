@@ -196,6 +196,26 @@ def test_false_qualification_rate_is_at_most_the_stated_level():
     assert family / 100 <= slack
 
 
+def test_the_calibration_prints_the_windows_an_adaptive_design_scored(capsys):
+    """A 64-window cap: a point at 1.5x the 5 % budget (sigma 0.3) is called
+    over it early, so its trials score fewer windows than the cap; an unknown
+    design is refused naming the valid ones."""
+    from benchmarks import decision_calibration as cal
+
+    scored: list[int] = []
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        cal.perplexity_loss(rng, "adaptive64", 0.05, 1.5, 0.0, "ar0.3", scored)
+    assert len(scored) == 20 and max(scored) <= 64 and sum(scored) / 20 < 48
+    assert cal.main(["--trials", "4", "--quick", "--designs", "fixed64", "--no-other"]) == 0
+    out = capsys.readouterr().out
+    assert "| perplexity | fixed64 | ar0.3 | 0 | 0.05 |" in out and "64.0 / 64.0 / 64.0 |" in out
+    assert "| top-1 |" not in out
+    with pytest.raises(SystemExit):
+        cal.main(["--designs", "fixed32"])
+    assert "unknown design fixed32; valid: first2, fixed16, adaptive, fixed64, adaptive64" in capsys.readouterr().err
+
+
 def test_budget_uses_the_pessimistic_bound_and_says_when_it_cannot_tell():
     pts = [Point("bf16", 30, 0.0, loss_upper=0.0), Point("int8", 22, 0.004, loss_upper=0.007),
            Point("int4", 15, 0.008, loss_upper=0.02)]
