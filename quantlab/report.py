@@ -222,18 +222,17 @@ RANGES = {"lat/tpot_ms_p50": ("lat/tpot_ms_req_lo", "lat/tpot_ms_req_hi")}
 def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -> list[Point]:
     """Finished runs with both a loss (see :func:`run_loss`) and ``cost``
     (and its request range, :data:`RANGES`, where logged)."""
-    out = []
+    out, span = [], RANGES.get(cost)
     for r in runs:
         m = r.data.metrics
         if cost not in m:
             continue
         lo = run_loss(r, metric, base, items)
         if lo is not None:
-            span = RANGES.get(cost, ("", ""))
             out.append(Point(r.info.run_name, m[cost], lo.value, r.data.tags.get(point.EMULATED_TAG) == "true",
                              lo.upper if lo.bounded else None, lo.bound.p_value if lo.bounded else None,
                              lo.bound.method, point.CONTENDED_TAG in r.data.tags,
-                             (m[span[0]], m[span[1]]) if {*span} <= m.keys() else None))
+                             (m[span[0]], m[span[1]]) if span and set(span) <= m.keys() else None))
     return out
 
 

@@ -151,10 +151,10 @@ def run(engine, tok, cfg: AccuracyProbeConfig, data_dir: str | None, cache_dir: 
     the documents scored, their standard errors, ``acc/<task>_documents`` and,
     unless ``score_all`` or ``identical``, the design: ``_adaptive_cap`` /
     ``_adaptive_chunk``), lm-eval's results per look, per-document items in
-    look order, and why each task stopped. ``reference_engine()`` builds the
-    reference model on a cache miss only. ``identical``: the point's outputs
-    equal the reference's (shown by the fidelity probe), so its documents are
-    the reference's over the cap (scored by ``engine`` on a miss)."""
+    look order, and why each task stopped. ``reference_engine()`` gives what
+    scores the reference on a cache miss only. ``identical``: the point's
+    outputs equal the reference's (shown by the fidelity probe), so its
+    documents are the reference's over the cap."""
     from quantlab.probes import lm_adapter
 
     include, counts = accuracy.prepare_tasks(list(cfg.tasks), data_dir, cache_dir)
@@ -172,8 +172,7 @@ def run(engine, tok, cfg: AccuracyProbeConfig, data_dir: str | None, cache_dir: 
     data = {t: sha256_file(include / f"{accuracy.CONVERTERS[t][0]}.jsonl") for t in cfg.tasks}
     key = {**ref_key, "data": data, "seed": seed, "lm_eval": version("lm-eval"), "max_length": cfg.max_length,
            "scorer": sha256_file(Path(lm_adapter.__file__))}  # how documents are batched and scored
-    reference = reference_scores(key, orders, cache_dir,
-                                 lambda: scorer(engine if identical else reference_engine(), [])(orders))
+    reference = reference_scores(key, orders, cache_dir, lambda: scorer(reference_engine(), [])(orders))
     looks: list = []
     if identical:
         stops = {t: TaskStop(list(o), {m: [s[d] for d in o] for m, s in reference[t].items()},

@@ -98,6 +98,12 @@ class ProbeContext:
         miss (no second model loaded, nothing scored twice)."""
         return self.metrics.get("fid/identical") == 1.0
 
+    def engine_for_reference(self):
+        """What scores the reference's windows and documents on a cache miss:
+        the point's own engine where it is identical to the reference, else
+        the reference model (:meth:`reference_engine`, loaded now)."""
+        return self.engine if self.identical_to_reference() else self.reference_engine()
+
     def baseline_candidate(self) -> bool:
         """A point the sweep may take as its baseline (float weights, or the
         ``recovery_baseline`` scheme): adaptive probes score its cap, since

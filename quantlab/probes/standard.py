@@ -89,8 +89,8 @@ class PerplexityProbe:
         (:meth:`ProbeContext.identical_to_reference`) takes the reference's
         windows over the cap: the fixed design's."""
         cfg, ppl, same = ctx.cfg, ctx.cfg.probe.perplexity, ctx.identical_to_reference()
-        ref = fidelity.cached("reference_nll", ctx.reference_key(), wins, cfg.cache_dir, lambda: torch.from_numpy(
-            perplexity.token_nll(ctx.engine if same else ctx.reference_engine(), wins)))
+        ref = fidelity.cached("reference_nll", ctx.reference_key(), wins, cfg.cache_dir,
+                              lambda: torch.from_numpy(perplexity.token_nll(ctx.engine_for_reference(), wins)))
         if same:
             out.tags[point.PPL_STOP_TAG] = f"identical to the reference: its {len(wins)} windows are the reference's"
             ctx.log("perplexity: %s", out.tags[point.PPL_STOP_TAG])
@@ -121,7 +121,7 @@ class AccuracyProbe:
         if acc.adaptive:
             metrics, results, items, stops = accuracy_adaptive.run(
                 ctx.engine, ctx.tokenizer, acc, cfg.data_dir, cfg.cache_dir, cfg.seed, ctx.reference_key(),
-                ctx.reference_engine, ctx.baseline_candidate(), ctx.identical_to_reference(),
+                ctx.engine_for_reference, ctx.baseline_candidate(), ctx.identical_to_reference(),
                 lambda line: ctx.log("lm-eval: %s", line))
             out.tags[point.ACC_STOP_TAG] = "; ".join(f"{t}: {why}" for t, why in stops.items())
             ctx.log("lm-eval: %s", out.tags[point.ACC_STOP_TAG])
