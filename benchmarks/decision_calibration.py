@@ -11,13 +11,14 @@ another topic; ``tau`` 0 to 0.02 nats), ``e_t`` AR(1) noise inside a window
 budget. Designs:
 - ``first2``: the old headline, 2 windows of 1024 tokens (no bound: fewer
   than ``MIN_UNITS`` windows, so never qualifies);
-- ``fixed16``: 16 windows of 128 tokens drawn at random (the headline now);
+- ``fixed16``: 16 windows of 128 tokens drawn at random (the headline's
+  first random design, the 2,048 tokens of ``first2``);
 - ``adaptive``: the same 16 as a cap, 4 windows a look from 8, stopped by
   the probe's own rule (``perplexity.adaptive_nll`` at the probe's default
   per-point alpha) and bounded by the report's anytime-valid bound;
-- ``fixed64`` / ``adaptive64``: 64 windows of 128 tokens, fixed, or as the
-  adaptive design's cap (what more evidence buys where the headline's 16
-  cannot decide, and what stopping saves of it: ``--designs``).
+- ``fixed64`` / ``adaptive64``: 64 windows of 128 tokens, fixed (the
+  headline now), or as the adaptive design's cap (the headline with
+  ``probe.perplexity.adaptive=true``).
 Each adaptive row also prints the mean windows a trial scored at each true loss.
 Also the two document-level and position-level losses: ``accuracy`` (paired
 0/1 documents) and ``top1`` (1 - top-1 agreement over 8 windows of 64
@@ -27,7 +28,7 @@ Goals printed: false qualification at the budget <= 5 % + 2 se in every
 cell; at 1.5x the budget <= 1 %; power at half the 5 % budget >= 80 %.
 
     python benchmarks/decision_calibration.py [--trials 2000] [--seed 0] [--quick] \
-        [--designs first2,fixed16,adaptive] [--no-other]
+        [--designs first2,fixed16,fixed64,adaptive64] [--no-other]
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ TAUS = (0.0, 0.005, 0.01, 0.02)
 NOISES = ("ar0.3", "ar0.8", "t3")
 DESIGNS = {"first2": (2, 1024), "fixed16": (16, 128), "adaptive": (16, 128), "fixed64": (64, 128),
            "adaptive64": (64, 128)}
-DEFAULT_DESIGNS = ("first2", "fixed16", "adaptive")
+DEFAULT_DESIGNS = ("first2", "fixed16", "fixed64", "adaptive64")
 ADAPTIVE_CHUNK, ADAPTIVE_ALPHA = 4, 0.005  # the probe's per-point alpha (config default)
 
 
@@ -77,7 +78,7 @@ class _Given:
         self.nll = nll
 
     def token_logprobs(self, ids):
-        return (torch.from_numpy(-self.nll[int(ids[0, 0])])[None],)
+        return (torch.from_numpy(-self.nll[ids[:, 0].numpy()]),)
 
 
 def perplexity_loss(rng, design: str, budget: float, multiple: float, tau: float, kind: str,

@@ -382,3 +382,24 @@ def tiny_points():
         weights_handler(w).apply(m, w, ApplyContext(hw=hardware.cpu(), tokenizer=tok))
         out[scheme] = TorchEngine(m), tok
     return out
+
+
+# a window's NLLs scored inside a batch of windows against alone: fp32 to rounding; 16-bit and quantized
+# points at the per-token share of the per-document tolerance above
+WINDOW_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-4, "fp16": 1e-4, "int8": 1e-4, "int4-g64": 1e-4}
+
+
+@pytest.mark.parametrize("scheme", list(WINDOW_TOLERANCE))
+@settings(max_examples=4, deadline=None)
+@given(window=st.sampled_from([32, 64, 128, 512]), n=st.integers(1, 9), seed=st.integers(0, 99))
+def test_a_windows_nll_is_the_same_alone_and_in_a_batch(tiny_points, scheme, window, n, seed):
+    """The perplexity probe scores ``batch_rows(window)`` windows a forward;
+    a window's token NLLs are what it scores alone (the adaptive looks, the
+    fixed design and the cached reference cut the same windows differently
+    when a look is not a multiple of the batch)."""
+    engine, _ = tiny_points[scheme]
+    wins = torch.randint(3, 250, (n, window), generator=torch.Generator().manual_seed(seed))
+    together = perplexity.token_nll(engine, wins)
+    assert together.shape == (n, window - 1) and perplexity.batch_rows(window) == max(1, 512 // window)
+    alone = [-engine.token_logprobs(w[None])[0][0].numpy() for w in wins]
+    assert max(float(abs(a - b).max()) for a, b in zip(together, alone)) <= WINDOW_TOLERANCE[scheme]

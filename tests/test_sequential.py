@@ -39,8 +39,8 @@ class WindowEngine:
         self.nll, self.scored = nll, 0
 
     def token_logprobs(self, ids):
-        self.scored += 1
-        return (torch.from_numpy(-self.nll[int(ids[0, 0])])[None],)
+        self.scored += len(ids)
+        return (torch.from_numpy(-self.nll[ids[:, 0].numpy()]),)
 
 
 def _windows(n: int, window: int = 256) -> torch.Tensor:
