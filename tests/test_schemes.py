@@ -303,6 +303,34 @@ def test_gptq_beats_rtn_on_correlated_inputs():
         assert err_gptq < 0.7 * err_rtn, (act_order, err_gptq, err_rtn)
 
 
+def test_gptq_accumulates_one_hessian_per_distinct_input(tiny):
+    """q/k/v share their input and so do gate/up: one accumulator each,
+    holding exactly the sums a Linear's own accumulator would."""
+    from quantlab.schemes.gptq import SharedInputs
+    from quantlab.schemes.gptq_solver import HessianAccumulator
+
+    model, _ = tiny
+    layer = model.model.layers[0]
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    shared, own = SharedInputs(), {n: HessianAccumulator(m.in_features) for n, m in linears.items()}
+    hooks = [m.register_forward_hook(shared.hook(n)) for n, m in linears.items()]
+    hooks += [m.register_forward_hook(lambda _m, a, _o, acc=own[n]: acc.add(a[0])) for n, m in linears.items()]
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for _ in range(3):
+            model(input_ids=torch.randint(0, 256, (1, 24), generator=g), use_cache=False)
+            shared.next_sample()
+    for h in hooks:
+        h.remove()
+    groups = {}
+    for n, acc in shared.of.items():
+        groups.setdefault(id(acc), []).append(n.split(".")[-1])
+    assert sorted(map(sorted, groups.values())) == [["down_proj"], ["gate_proj", "up_proj"], ["k_proj", "q_proj", "v_proj"],
+                                                    ["o_proj"]]
+    for n in linears:
+        assert shared.of[n].n == own[n].n == 72 and torch.equal(shared.of[n].value(), own[n].value())
+
+
 def test_gptq_on_tiny_model_beats_rtn_in_kl(tiny, tmp_path):
     """End to end on the tiny model with the built-in calibration text."""
     from quantlab import corpus

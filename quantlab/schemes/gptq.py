@@ -70,6 +70,36 @@ def _first_layer_inputs(model, decoder, ids: torch.Tensor):
     return captured
 
 
+class SharedInputs:
+    """The Hessians of one decoder layer's Linears, one per distinct input:
+    q/k/v read the same normalized hidden states and gate/up the same MLP
+    input, so their ``2 X^T X / n`` is one matrix, accumulated once (the same
+    sums as one accumulator per Linear: 3 of 7 accumulations saved).
+
+    ``hook(name)`` is a forward hook for the Linear ``name``; call
+    :meth:`next_sample` between forwards. Inputs are recognised by identity
+    within a forward (held alive until then, so an id is never reused)."""
+
+    def __init__(self):
+        self.of: dict[str, HessianAccumulator] = {}
+        self._live: dict[int, tuple[torch.Tensor, HessianAccumulator]] = {}
+
+    def hook(self, name: str):
+        def add(_mod, args, _out):
+            x = args[0]
+            seen = self._live.get(id(x))
+            acc = self.of.get(name)
+            if acc is None:
+                acc = self.of[name] = seen[1] if seen else HessianAccumulator(x.shape[-1])
+            if seen is None or seen[1] is not acc:
+                acc.add(x)
+                self._live[id(x)] = (x, acc)
+        return add
+
+    def next_sample(self) -> None:
+        self._live.clear()
+
+
 def _run_layer(layer, hidden, kwargs):
     out = layer(hidden, **{k: v for k, v in kwargs.items() if k != "hidden_states"})
     return out[0] if isinstance(out, tuple) else out
@@ -87,18 +117,20 @@ def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
     for li, layer in enumerate(decoder):
         linears = {n: m for n, m in layer.named_modules()
                    if isinstance(m, nn.Linear) and f"{prefix[id(layer)]}.{n}" in selected}
-        accs = {n: HessianAccumulator(m.in_features) for n, m in linears.items()}
-        hooks = [m.register_forward_hook(lambda mod, a, o, acc=accs[n]: acc.add(a[0]))
-                 for n, m in linears.items()]
+        accs = SharedInputs()
+        hooks = [m.register_forward_hook(accs.hook(n)) for n, m in linears.items()]
         for hidden, kw in states:
             _run_layer(layer, hidden, kw)
+            accs.next_sample()
         for h in hooks:
             h.remove()
+        hessians = {id(a): a.value() for a in accs.of.values()}
         for n, m in linears.items():
-            q, scale, zero = gptq_int4(m.weight.float(), accs[n].value(), cfg.group_size,
+            q, scale, zero = gptq_int4(m.weight.float(), hessians[id(accs.of[n])], cfg.group_size,
                                        cfg.symmetric, cfg.damp, cfg.act_order)
             layers.replace(layer, n, Int4Linear(q, scale, zero, cfg.group_size, m.bias, dtype))
-        states = [(_run_layer(layer, hidden, kw), kw) for hidden, kw in states]
+        if li + 1 < len(decoder):  # the quantized layer's outputs feed the next one (the last one's: nothing)
+            states = [(_run_layer(layer, hidden, kw), kw) for hidden, kw in states]
         log.info("gptq: layer %d/%d quantized (%d linears)", li + 1, len(decoder), len(linears))
     layers.cast_parameters(model, dtype)
     return Applied(backend="quantlab.gptq+aten._weight_int4pack_mm_for_cpu", emulated=False, tags={**tags, **prefill_tags(dtype)})
