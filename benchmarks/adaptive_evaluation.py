@@ -110,7 +110,7 @@ def main() -> None:
         a = adaptive.get(n, (0, {}, "-"))
         print(f"{n:24} {f'{fixed[n][0]}/{a[0]}':>23} "
               f"{f'{sum(fixed[n][1].values())}/{sum(a[1].values())}':>25}  {a[2]}")
-    same = [n for n, a in adaptive.items() if "identical to the reference" in a[2]]
+    same = [n for n, a in adaptive.items() if point.IDENTICAL_STOP in a[2]]
     for what, i, ref in (("windows", 0, args.cap), ("documents", 1, args.limit * len(tasks))):
         tot_f = sum(v[i] if i == 0 else sum(v[i].values()) for v in fixed.values())
         tot_a = sum(v[i] if i == 0 else sum(v[i].values()) for v in adaptive.values())

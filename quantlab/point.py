@@ -51,6 +51,8 @@ HOST_FINGERPRINT_TAG = "host.fingerprint"
 HOST_CPU_TAG = "host.cpu"
 PPL_STOP_TAG = "probe.perplexity.stop"  # adaptive perplexity: why the point stopped scoring windows
 ACC_STOP_TAG = "probe.accuracy.stop"  # adaptive lm-eval: why each task stopped scoring documents
+# how either stop tag begins for a point identical to the reference (it took the reference's items)
+IDENTICAL_STOP = "identical to the reference"
 EMULATED_TAG = "emulated"  # "true" when the latency is not the scheme's own kernels'
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from quantlab import sequential, uncertainty
 from quantlab.config import AccuracyProbeConfig
 from quantlab.digest import computed_once, sha256_file
+from quantlab.point import IDENTICAL_STOP
 from quantlab.probes import accuracy
 
 
@@ -176,7 +177,7 @@ def run(engine, tok, cfg: AccuracyProbeConfig, data_dir: str | None, cache_dir: 
     looks: list = []
     if identical:
         stops = {t: TaskStop(list(o), {m: [s[d] for d in o] for m, s in reference[t].items()},
-                             f"identical to the reference: its {len(o)} documents are the reference's")
+                             f"{IDENTICAL_STOP}: its {len(o)} documents are the reference's")
                  for t, o in orders.items()}
     else:
         stops = evaluate(scorer(engine, looks), orders, reference, cfg.adaptive_chunk, cfg.adaptive_budgets,

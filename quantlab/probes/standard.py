@@ -92,7 +92,7 @@ class PerplexityProbe:
         ref = fidelity.cached("reference_nll", ctx.reference_key(), wins, cfg.cache_dir,
                               lambda: torch.from_numpy(perplexity.token_nll(ctx.engine_for_reference(), wins)))
         if same:
-            out.tags[point.PPL_STOP_TAG] = f"identical to the reference: its {len(wins)} windows are the reference's"
+            out.tags[point.PPL_STOP_TAG] = f"{point.IDENTICAL_STOP}: its {len(wins)} windows are the reference's"
             ctx.log("perplexity: %s", out.tags[point.PPL_STOP_TAG])
             return ref.numpy()
         baseline = ctx.baseline_candidate()
