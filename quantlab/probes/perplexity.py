@@ -69,8 +69,8 @@ def metric_name(window: int, n: int, total: int | None) -> str:
     return name + (f"_rand{n}" if total is None else f"_first{n}" if n < total else "")
 
 
-# tokens one forward scores: 4 windows of 128 a batch (1.2-1.3x the row-by-row throughput of fp32, bf16
-# and int8 on 2 AVX-512 cores, int4 1.0x; benchmarks/ppl_batch.py), one window of 512 or more
+# tokens one forward scores: 4 windows of 128 a batch (1.1-1.25x the row-by-row throughput of fp32, bf16,
+# int8 and int4 on 2 AVX-512 cores; benchmarks/ppl_batch.py), one window of 512 or more
 BATCH_TOKENS = 512
 
 
