@@ -99,6 +99,14 @@ class SharedInputs:
     def next_sample(self) -> None:
         self._live.clear()
 
+    def hessians(self) -> dict[str, torch.Tensor]:
+        """Each Linear's ``2 X^T X / n`` (fp64), computed once per distinct input."""
+        value: dict[int, torch.Tensor] = {}
+        for acc in self.of.values():
+            if id(acc) not in value:
+                value[id(acc)] = acc.value()
+        return {n: value[id(acc)] for n, acc in self.of.items()}
+
 
 def _run_layer(layer, hidden, kwargs):
     out = layer(hidden, **{k: v for k, v in kwargs.items() if k != "hidden_states"})
@@ -124,9 +132,9 @@ def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
             accs.next_sample()
         for h in hooks:
             h.remove()
-        hessians = {id(a): a.value() for a in accs.of.values()}
+        hessians = accs.hessians()
         for n, m in linears.items():
-            q, scale, zero = gptq_int4(m.weight.float(), hessians[id(accs.of[n])], cfg.group_size,
+            q, scale, zero = gptq_int4(m.weight.float(), hessians[n], cfg.group_size,
                                        cfg.symmetric, cfg.damp, cfg.act_order)
             layers.replace(layer, n, Int4Linear(q, scale, zero, cfg.group_size, m.bias, dtype))
         if li + 1 < len(decoder):  # the quantized layer's outputs feed the next one (the last one's: nothing)
