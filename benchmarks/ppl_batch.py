@@ -30,10 +30,6 @@ from quantlab.targets.cpu import CPUTarget, CPUTargetConfig
 from runtimes import SCHEMES, model_config, quantized
 
 
-def scored(engine, wins: torch.Tensor, rows: int) -> np.ndarray:
-    return np.concatenate([-engine.token_logprobs(wins[i:i + rows])[0].numpy() for i in range(0, len(wins), rows)])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 or tiny")
@@ -58,14 +54,13 @@ def main() -> None:
     else:
         wins = corpus.token_ids(tok, "builtin", args.window * args.windows)[0].reshape(-1, args.window)
     secs, nll = {}, {}
-    with torch.inference_mode():
-        for r in range(args.rounds):
-            for s, eng in engines.items():
-                for b in batches:
-                    t = time.perf_counter()
-                    nll[(s, b)] = scored(eng, wins, b)
-                    secs.setdefault((s, b), []).append(time.perf_counter() - t)
-            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    for r in range(args.rounds):  # token_nll: the probe's own scoring, at b windows a forward
+        for s, eng in engines.items():
+            for b in batches:
+                t = time.perf_counter()
+                nll[(s, b)] = perplexity.token_nll(eng, wins, b)
+                secs.setdefault((s, b), []).append(time.perf_counter() - t)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
     print(f"\n{len(wins)} windows of {args.window} tokens, {args.threads} threads, least of {args.rounds} rounds")
     print(f"{'scheme':<10} {'windows/forward':>15} {'seconds':>8} {'speed-up':>8} {'max |dNLL|':>11}")
     for s in engines:

@@ -82,10 +82,10 @@ def batch_rows(window: int) -> int:
 
 
 @torch.inference_mode()
-def token_nll(engine, wins: torch.Tensor) -> np.ndarray:
+def token_nll(engine, wins: torch.Tensor, rows: int | None = None) -> np.ndarray:
     """Negative log-likelihood ``[n, window - 1]`` of every predicted token,
-    :func:`batch_rows` windows a forward (equal windows: no padding)."""
-    step = batch_rows(wins.shape[1])
+    ``rows`` windows a forward (default :func:`batch_rows`; equal windows: no padding)."""
+    step = rows or batch_rows(wins.shape[1])
     return np.concatenate([-engine.token_logprobs(wins[i:i + step])[0].numpy() for i in range(0, len(wins), step)])
 
 
