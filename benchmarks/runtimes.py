@@ -9,6 +9,11 @@ integers); ``llamacpp-own`` runs the file llama.cpp's own quantizer makes from
 the same fp32 weights, for the block types it shares (Q8_0, Q4_0, Q4_1), with
 the embedding kept in BF16 like quantlab's export. (The default model's fp32
 weights are a dequantized Q4_1: its own Q4_1 is nearly lossless, compare Q4_0.)
+For MXFP4 (``mxfp4-a16``), llama.cpp's quantizer writes MXFP4 for MoE experts
+only (``MXFP4_MOE``: dense tensors become Q8_0), so its own file is written
+with gguf-py's MXFP4 quantizer, the Python twin of ggml's
+``quantize_row_mxfp4_ref`` (E8M0 exponent ``floor(log2 amax) - 2``, nearest
+code), where quantlab's file holds compressed-tensors' codes.
 
 All variants live in this one process and are timed in interleaved rounds (one
 request of each variant, then the next round), so a noisy neighbour slows a
@@ -45,6 +50,7 @@ from quantlab.schemes.float import FloatScheme
 from quantlab.schemes.gptq import GPTQScheme
 from quantlab.schemes.int4 import Int4Scheme
 from quantlab.schemes.int8 import Int8Scheme
+from quantlab.schemes.configs import MXScheme
 from quantlab.schemes.kv import NoKV
 from quantlab.schemes.kv import apply as kv_apply
 from quantlab.schemes.registry import ApplyContext, weights_handler
@@ -62,8 +68,9 @@ SCHEMES = {
     "gptq-g32-sym": GPTQScheme(group_size=32, symmetric=True),  # calibration: wiki (64 x 512), see build()
     # W8A8 INT8 (PyTorch runtimes only: GGUF has no such type); SmoothQuant alpha searched, optionally the rotated down_proj
     "w8a8-sq-auto": W8A8Scheme(grid=20), "w8a8-sq-auto-had128": W8A8Scheme(grid=20, rotate_down=128),
+    "mxfp4-a16": MXScheme(elem="fp4", activations="none"),  # emulated on PyTorch; llama.cpp's MXFP4 type
 }
-OWN_FTYPE = {"int8": "Q8_0", "int4-g32-sym": "Q4_0", "int4-g32": "Q4_1"}  # llama.cpp's own quantizer
+OWN_FTYPE = {"int8": "Q8_0", "int4-g32-sym": "Q4_0", "int4-g32": "Q4_1", "mxfp4-a16": "MXFP4"}  # llama.cpp's rules
 GGML_BF16 = 30  # ggml_type of BF16 (llama-cpp-python has no constant for it)
 
 
@@ -97,12 +104,42 @@ def own_quantized(cfg: ModelConfig, ftype: str, cache_dir: str, tmp: Path, threa
     src, out = tmp / "f32.gguf", tmp / f"own-{ftype}.gguf"
     if not src.exists():
         gguf_export.write(model, tok, src, getattr(model, "quantlab_gguf", None))
+    if ftype == "MXFP4":
+        return gguf_py_quantized(src, out, ftype)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = threads
     params.output_tensor_type = params.token_embedding_type = GGML_BF16
     if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
         raise RuntimeError(f"llama_model_quantize {ftype} failed")
+    return out
+
+
+def gguf_py_quantized(src: Path, out: Path, ggml_type: str) -> Path:
+    """``src`` (an F32 GGUF) with every 2-D tensor but the embedding in
+    ``ggml_type`` by gguf-py's quantizer (the embedding BF16, 1-D tensors F32),
+    every key copied: a llama-quantize for the types it writes only for MoE."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        w.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        data = np.asarray(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        kind = "F32" if data.ndim == 1 else "BF16" if t.name == "token_embd.weight" else ggml_type
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "F32":
+            w.add_tensor(t.name, data)
+        else:
+            w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return out
 
 
@@ -152,13 +189,18 @@ def quality(built, args) -> None:
                                      512, args.ppl_windows)
     print(f"\nKL over {ids.shape[1]} tokens of {'WikiText-2 test' if args.data_dir else 'the built-in text'}; "
           f"perplexity over {0 if wins is None else wins.shape[0]} windows of 512")
-    print(f"{'scheme':<19} {'runtime':<13} {'KL vs fp32':>11} {'top-1':>7} {'ppl WT2 w512':>13}")
+    print(f"{'scheme':<19} {'runtime':<13} {'KL vs fp32':>11} {'top-1':>7} {'KL vs point':>12} {'ppl WT2 w512':>13}")
+    points = {s: fidelity.logprobs(eng, ids) for (s, rt), (eng, _, _) in built.items() if rt == "eager"}
     for (s, rt), (eng, _, _) in built.items():
         if not rt.startswith("llamacpp"):
             continue
-        f = fidelity.compare(ref, fidelity.logprobs(eng, ids))
+        mine = fidelity.logprobs(eng, ids)
+        f = fidelity.compare(ref, mine)
+        # against quantlab's in-memory point of the same scheme (the eager runtime), where it was built
+        kp = fidelity.compare(points[s], mine)["fid/kl_mean"] if s in points else float("nan")
         ppl = float(np.exp(perplexity.token_nll(eng, wins).mean())) if wins is not None else float("nan")
-        print(f"{s:<19} {rt:<13} {f['fid/kl_mean']:>11.4f} {f['fid/top1_agree']:>7.3f} {ppl:>13.3f}", flush=True)
+        print(f"{s:<19} {rt:<13} {f['fid/kl_mean']:>11.4f} {f['fid/top1_agree']:>7.3f} {kp:>12.2e} {ppl:>13.3f}",
+              flush=True)
 
 
 def main() -> None:

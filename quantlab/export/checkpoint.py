@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from quantlab.export.formats import format_name, groups
+from quantlab.schemes.fplinear import FormatLinear
 from quantlab.schemes.qlinear import QUANTIZED, FP8Linear, dequantized
 
 log = logging.getLogger("quantlab")
@@ -68,6 +69,7 @@ def write(model, tok, spec: dict, dense, dest: Path, kv: dict | None = None) -> 
             write_kv_scales(dest, kv)
         return format_name("checkpoint", spec)
     fmt = spec["format"]
+    _check_activation_groups(model, spec)
     qcfg = _ct_config(model, spec)
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
@@ -82,6 +84,10 @@ def write(model, tok, spec: dict, dense, dest: Path, kv: dict | None = None) -> 
         if not isinstance(mod, QUANTIZED):
             continue
         target = dense.get_submodule(name)
+        if isinstance(mod, FormatLinear):  # the format's own parameters; its compressor packs them
+            for pname, value in mod.checkpoint_tensors().items():
+                getattr(target, pname).data = value.to(getattr(target, pname).dtype)
+            continue
         if isinstance(mod, FP8Linear):
             target.weight.data = mod.dequantize().to(target.weight.dtype)
             target.weight_scale.data = mod.scale[:, None].to(target.weight_scale.dtype)
@@ -97,6 +103,8 @@ def write(model, tok, spec: dict, dense, dest: Path, kv: dict | None = None) -> 
         compressor.compress_model(dense)
     scale_dtype = getattr(torch, (spec.get("args") or spec).get("scale_dtype", "float32"))  # exact: see mapping
     for name, p in dense.named_parameters():
+        if name.endswith("global_scale"):  # NVFP4's per-tensor scales stay fp32, as the format defines them
+            continue
         if name.endswith("weight_scale"):
             p.data = p.data.to(scale_dtype)
         elif p.is_floating_point() and not name.endswith("weight_zero_point") and p.dtype == torch.float32:
@@ -112,6 +120,26 @@ def write(model, tok, spec: dict, dense, dest: Path, kv: dict | None = None) -> 
     if kv:
         write_kv_scales(dest, kv)
     return format_name("checkpoint", spec)
+
+
+def _check_activation_groups(model, spec: dict) -> None:
+    """Refuse, in one line, a checkpoint whose dynamic activation groups do not
+    divide a quantized layer's input width: compressed-tensors (transformers'
+    reload) cannot split such an input into its groups, and vLLM's block
+    kernels refuse the layer. The point itself measures fine (the emulation
+    scales a last partial group on its own)."""
+    from quantlab.errors import UserError
+
+    for g in groups(spec):
+        acts = g.get("input_activations") or {}
+        size = acts.get("group_size")
+        if acts.get("strategy") not in ("group", "tensor_group") or not size:
+            continue
+        bad = sorted({m.in_features for m in model.modules() if isinstance(m, QUANTIZED) and m.in_features % size})
+        if bad:
+            raise UserError(f"checkpoint export: activation groups of {size} do not divide the input widths {bad} of "
+                            f"this model's layers (transformers and vLLM split each input into whole groups); "
+                            f"export a scheme whose group divides them (fp8-block64) or its weight-only form")
 
 
 def write_kv_scales(dest: Path, kv: dict) -> None:

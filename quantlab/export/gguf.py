@@ -10,6 +10,8 @@ int8 (per channel, sym.)    ``Q8_0``     ``d = fp16(scale[n])``, ``q`` unchanged
 int4 / GPTQ symmetric       ``Q4_0``     ``d = fp16(scale[n, g])``, ``q`` (0..15,
                                          zero point 8) unchanged
 int4 / GPTQ asymmetric      ``Q4_1``     ``d = fp16(scale)``, ``m = fp16(-zp*scale)``
+mxfp4-a16                   ``MXFP4``    the E8M0 exponent and the 32 E2M1 codes
+                                         unchanged (lossless: same format)
 fp32 / fp16 / bf16          F32/F16/BF16 the tensors as they are
 ==========================  ===========  ==========================================
 
@@ -34,10 +36,12 @@ import torch
 
 from quantlab import models
 from quantlab.errors import UserError
+from quantlab.schemes.fplinear import MXLinear
 from quantlab.schemes.qlinear import Int4Linear, Int8Linear
 
 BLOCK = 32
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MXFP4")
+PACKED = (Int4Linear, Int8Linear, MXLinear)  # layers written from their own codes
 
 
 def _fp16_bytes(x: torch.Tensor) -> np.ndarray:
@@ -79,6 +83,14 @@ def pack_q4_1(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) ->
     return np.concatenate([d, m, _nibbles(q)], axis=-1).reshape(q.shape[0], -1)
 
 
+def pack_mxfp4(codes: torch.Tensor, exponents: torch.Tensor) -> np.ndarray:
+    """E2M1 codes ``[N, K]`` (``sign << 3 | index``, ggml's ``kvalues_mxfp4``
+    order) and biased E8M0 exponents ``[N, K/32]`` -> ``[N, K/32 * 17]`` bytes.
+    ggml reads ``kvalue * 2**(e - 128)`` with doubled values: the same numbers."""
+    e = exponents.to(torch.uint8).numpy()[..., None]
+    return np.concatenate([e, _nibbles(codes)], axis=-1).reshape(codes.shape[0], -1)
+
+
 def dequantize(data: np.ndarray, ggml_type: str, shape: tuple[int, int]) -> torch.Tensor:
     """The float weights llama.cpp reads back from packed blocks (for tests and checks)."""
     from gguf import GGMLQuantizationType
@@ -109,9 +121,14 @@ def _matrix(mod: torch.nn.Module, float_type: str, rows: torch.Tensor | None):
         if bool((zp == 8).all()):
             return "Q4_0", pack_q4_0(q, scale)
         return "Q4_1", pack_q4_1(q, scale, zp)
+    if isinstance(mod, MXLinear):
+        if mod.elem != "fp4":
+            raise UserError("GGUF: MXFP8 has no llama.cpp type (MXFP4 only)")
+        codes, e = mod.elements(), mod.weight_scale
+        return "MXFP4", pack_mxfp4(codes if rows is None else codes[rows], e if rows is None else e[rows])
     w = getattr(mod, "weight", None)
     if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-        raise UserError(f"GGUF: no llama.cpp type for {type(mod).__name__} (only int8, int4/GPTQ and float)")
+        raise UserError(f"GGUF: no llama.cpp type for {type(mod).__name__} (only int8, int4/GPTQ, MXFP4 and float)")
     w = w.detach()
     w = w if rows is None else w[rows]
     return float_type, _float_array(w, float_type)
@@ -149,9 +166,9 @@ def tensors(model: torch.nn.Module) -> list[tuple[str, str, np.ndarray, tuple[in
     out = []
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if name == "lm_head" and cfg.tie_word_embeddings and not isinstance(mod, (Int4Linear, Int8Linear)):
+        if name == "lm_head" and cfg.tie_word_embeddings and not isinstance(mod, PACKED):
             continue  # tied: llama.cpp reads token_embd as the output matrix
-        if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding, Int4Linear, Int8Linear)):
+        if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding, *PACKED)):
             gname = gguf_name(name)
             rows = _rotary_rows(mod.out_features, heads[leaf]) if leaf in heads else None
             gtype, data = _matrix(mod, ftype, rows)

@@ -251,6 +251,76 @@ class MixedScheme(WeightScheme):
 
 
 @dataclass
+class NVFP4Scheme(WeightScheme):
+    """NVFP4: E2M1 weights, an E4M3 scale per 16 and an fp32 scale per tensor
+    (compressed-tensors ``NVFP4`` / ``NVFP4A16``). ``activations=nvfp4`` (W4A4)
+    quantizes each Linear's input the same way, its per-tensor scale calibrated
+    on ``n_samples`` windows (llm-compressor's static global, dynamic local scales)."""
+    HANDLER: ClassVar[str] = "quantlab.schemes.nvfp4"
+    LABEL: ClassVar[str] = "nvfp4"
+    activations: str = field(default="nvfp4", metadata={"choices": ("nvfp4", "none")})
+    calibration: str = "wiki"  # for the activations' global scales
+    n_samples: int = field(default=16, metadata={"min": 1})
+    seq_len: int = field(default=512, metadata={"min": 2})
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def short_name(self) -> str:
+        return "nvfp4" if self.activations == "nvfp4" else "nvfp4-a16"
+
+    def calibration_set(self) -> str | None:
+        return self.calibration if self.activations == "nvfp4" else None
+
+
+@dataclass
+class MXScheme(WeightScheme):
+    """OCP microscaling: E2M1 (``fp4``) or E4M3 (``fp8``) elements with an E8M0
+    power-of-two scale per 32 (compressed-tensors ``MXFP4`` / ``MXFP8`` and their
+    ``A16`` forms); ``activations=mx`` quantizes each Linear's input to the same
+    format, dynamically per 32."""
+    HANDLER: ClassVar[str] = "quantlab.schemes.mx"
+    LABEL: ClassVar[str] = "mx"
+    elem: str = field(default="fp4", metadata={"choices": ("fp4", "fp8")})
+    activations: str = field(default="mx", metadata={"choices": ("mx", "none")})
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def short_name(self) -> str:
+        return f"mx{self.elem}{'' if self.activations == 'mx' else '-a16'}"
+
+
+@dataclass
+class FP8BlockScheme(WeightScheme):
+    """FP8 E4M3 weights with one fp32 scale per ``block`` x ``block`` tile
+    (DeepSeek-V3's and Qwen3's FP8 checkpoints, compressed-tensors ``FP8_BLOCK``);
+    ``activations=dynamic`` quantizes each token's input in groups of ``block``."""
+    HANDLER: ClassVar[str] = "quantlab.schemes.fp8block"
+    LABEL: ClassVar[str] = "fp8-block"
+    block: int = field(default=128, metadata={"choices": (64, 128)})
+    activations: str = field(default="dynamic", metadata={"choices": FP8_ACTIVATIONS})
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def short_name(self) -> str:
+        size = "" if self.block == 128 else str(self.block)
+        return f"fp8-block{size}{'' if self.activations == 'dynamic' else '-a16'}"
+
+
+@dataclass
+class W4A8Scheme(WeightScheme):
+    """Symmetric INT4 weight groups with dynamic per-token FP8 E4M3 activations
+    (compressed-tensors ``W4AFP8``, TensorRT-LLM's W4A8)."""
+    HANDLER: ClassVar[str] = "quantlab.schemes.w4a8"
+    LABEL: ClassVar[str] = "w4a8"
+    group_size: int = field(default=128, metadata={"choices": GROUP_SIZES})
+    compute_dtype: str = "bfloat16"
+    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+
+    def short_name(self) -> str:
+        return f"w4a8-g{self.group_size}"
+
+
+@dataclass
 class NoKV(KVScheme):
     """Unquantized KV cache in the model's compute dtype."""
     HANDLER: ClassVar[str] = "quantlab.schemes.kv"

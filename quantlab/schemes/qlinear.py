@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantlab import hardware
+from quantlab.schemes.fplinear import FormatLinear
 
 
 def rtn_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,13 +403,14 @@ class Int8DynLinear(nn.Module):
 
 
 # The modules a checkpoint stores quantized (export writes their integers).
-QUANTIZED = (Int4Linear, Int8Linear, Int8DynLinear, FP8Linear)
+QUANTIZED = (Int4Linear, Int8Linear, Int8DynLinear, FP8Linear, FormatLinear)
 
 
 def dequantized(mod) -> torch.Tensor:
     """The fp32 weight a quantized linear stands for, from its own integers
-    (``(q - zero_point) * scale`` per group; FP8: value * scale)."""
-    if isinstance(mod, FP8Linear):
+    (``(q - zero_point) * scale`` per group; FP8: value * scale; the
+    block-scaled formats: their codes times their scales)."""
+    if isinstance(mod, (FP8Linear, FormatLinear)):
         return mod.dequantize()
     q, scale, zp = mod.int_weights()
     n, k = q.shape

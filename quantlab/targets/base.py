@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import functools
 import time
 from typing import Any, Iterator
@@ -75,8 +76,14 @@ class Target(abc.ABC):
         yield
 
     def apply_weights(self, model: torch.nn.Module, weights: Any, ctx) -> Applied:
-        """Quantize ``model`` in place with the scheme's handler."""
-        return weights_handler(weights).apply(model, weights, ctx)
+        """Quantize ``model`` in place with the scheme's handler. A target
+        that serves the export runs the written file with its runtime's own
+        kernels (it refuses, in ``supports``, a scheme it has none for), so
+        a scheme the torch engine can only emulate is not emulated there."""
+        applied = weights_handler(weights).apply(model, weights, ctx)
+        if self.serves_export and applied.emulated:
+            return dataclasses.replace(applied, emulated=False, backend=f"{self.name} (from {applied.backend})")
+        return applied
 
     @abc.abstractmethod
     def engine(self, model: torch.nn.Module, kv: Applied, tokenizer) -> Engine:

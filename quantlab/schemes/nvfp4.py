@@ -1,0 +1,86 @@
+"""NVFP4: E2M1 values, an E4M3 scale per 16, an fp32 scale per tensor
+(NVIDIA's Blackwell format; compressed-tensors ``NVFP4`` / ``NVFP4A16``,
+ModelOpt), weight-only or W4A4.
+
+W4A4 rounds each Linear's input to NVFP4 too: its 16-value scales from the
+token itself, its per-tensor ("global") scale fixed before any request from
+the largest input the layer saw over ``n_samples`` calibration windows, as
+llm-compressor's ``static_minmax`` observer sets ``input_global_scale``.
+Emulated in quantlab's engines (:mod:`quantlab.schemes.fplinear`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantlab import calibration
+from quantlab.hardware import Hardware
+from quantlab.schemes import fpquant, layers
+from quantlab.schemes.configs import NVFP4Scheme
+from quantlab.schemes.fplinear import NVFP4Linear, emulated_support, replace_all
+from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
+
+GROUP = 16
+
+
+def support(cfg: NVFP4Scheme, hw: Hardware) -> Support:
+    return emulated_support(hw, "NVFP4", "vLLM runs NVFP4 checkpoints on SM100 (Blackwell; target=vllm)")
+
+
+@torch.inference_mode()
+def input_amax(model: nn.Module, names: set[str], ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Largest ``|x|`` entering each Linear of ``names`` over the rows of ``ids``."""
+    amax: dict[str, torch.Tensor] = {n: torch.zeros(()) for n in names}
+    mods = {n: m for n, m in model.named_modules() if n in names}
+
+    def hook(name):
+        def record(_mod, args):
+            amax[name] = torch.maximum(amax[name], args[0].detach().abs().amax().float())
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in mods.items()]
+    try:
+        for row in ids:
+            model(input_ids=row[None], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return amax
+
+
+def apply(model: torch.nn.Module, cfg: NVFP4Scheme, ctx: ApplyContext) -> Applied:
+    dtype = getattr(torch, cfg.compute_dtype)
+    tags: dict[str, str] = {}
+    scales: dict[str, torch.Tensor] = {}
+    if cfg.activations == "nvfp4":
+        ids, tags = calibration.batch_or_builtin(cfg.calibration, "nvfp4", ctx, cfg.n_samples, cfg.seq_len)
+        names = {n for n, _ in layers.select(model, cfg.skip)}
+        scales = {n: fpquant.nvfp4_global_scale(a) for n, a in input_amax(model, names, ids).items()}
+    act = "nvfp4" if cfg.activations == "nvfp4" else "none"
+    replace_all(model, cfg.skip, lambda n, lin: NVFP4Linear(lin.weight.float(), lin.bias, dtype, act, scales.get(n)),
+                GROUP, cfg.short_name())
+    layers.cast_parameters(model, dtype)
+    return Applied(backend="quantlab.NVFP4Linear(dequant)", emulated=True, tags=tags)
+
+
+_ARGS = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": GROUP,
+         "scale_dtype": "float8_e4m3fn", "zp_dtype": "float8_e4m3fn"}
+
+
+def checkpoint(cfg: NVFP4Scheme) -> Mapping:
+    """compressed-tensors ``nvfp4-pack-quantized``: codes two to a byte, E4M3
+    group scales, fp32 ``weight_global_scale``; W4A4 adds locally dynamic
+    activation groups with the calibrated ``input_global_scale`` (the
+    ``NVFP4`` / ``NVFP4A16`` presets)."""
+    spec = {"format": "nvfp4-pack-quantized", "dtype": cfg.compute_dtype, "args": dict(_ARGS)}
+    if cfg.activations == "nvfp4":
+        spec["input_activations"] = {**_ARGS, "dynamic": "local", "observer": "static_minmax"}
+    return Mapping(spec)
+
+
+def gguf(cfg: NVFP4Scheme) -> Mapping:
+    return Mapping(reason=f"{cfg.short_name()}: llama.cpp's NVFP4 blocks carry no per-tensor scale, so this "
+                          "point's codes do not map onto them unchanged; nearest: mxfp4-a16 (MXFP4)")
+
+
+register_weights("nvfp4", NVFP4Scheme, support, apply, checkpoint=checkpoint, gguf=gguf)
