@@ -77,7 +77,7 @@ def _point(scheme: str, extra: list[str] | None = None):
 
 
 @pytest.mark.parametrize("scheme,kind", [("bf16", "BF16"), ("int8", "Q8_0"), ("int4-g64", "Q4_1"),
-                                         ("int4-g32-sym", "Q4_0")])
+                                         ("int4-g32-sym", "Q4_0"), ("mxfp4-a16", "MXFP4")])
 def test_llamacpp_reproduces_the_exported_point(tmp_path, scheme, kind):
     model, tok = _point(scheme)
     counts = gguf_export.write(model, tok, tmp_path / "m.gguf")
@@ -152,6 +152,21 @@ def test_llamacpp_sweep_end_to_end(tmp_path):
     assert 0.45 < kv8.metrics["mem/kv_mb"] / plain.metrics["mem/kv_mb"] < 0.6
     assert kv8.metrics["fid/kl_mean"] > plain.metrics["fid/kl_mean"]
     assert plain.metrics["compile/gguf_cached"] == 0.0 and kv8.metrics["compile/gguf_cached"] == 1.0
+
+
+def test_mxfp4_runs_on_llamacpps_own_kernels(tmp_path):
+    """MXFP4 weights, emulated in the torch engine, run for real on llama.cpp
+    from a GGUF of the point's own codes (not tagged emulated there); W4A4
+    MXFP4 is skipped naming the weight-only preset llama.cpp runs."""
+    proc, runs = _sweep(tmp_path, ["scheme/weights=mxfp4-a16,mxfp4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = runs["mxfp4-a16@llamacpp"].data
+    assert r.tags["quantlab.outcome"] == "finished", r.tags.get("quantlab.reason")
+    assert r.tags["emulated"] == "false" and r.tags["support"] == "real" and "MXFP4" in r.tags["support.reason"]
+    assert r.metrics["lat/tpot_ms_p50"] > 0
+    assert r.metrics["parity/kl_mean"] < r.metrics["fid/kl_mean"] / 5  # llama.cpp's Q8_0 activations differ only
+    assert runs["mxfp4@llamacpp"].data.tags["quantlab.outcome"] == "skipped"
+    assert "use mxfp4-a16" in runs["mxfp4@llamacpp"].data.tags["quantlab.reason"]
 
 
 def test_corrupt_gguf_cache_entry_fails_the_point_in_one_line(tmp_path):
