@@ -12,6 +12,9 @@
 #   +sweep=launch_overhead  compile / CUDA graphs for bf16, fp8-w8a8, int4: P50 and P99 per token
 #   +sweep=fp8_vs_int4      the weight schemes, eager (real FP8 W8A8 on SM >= 8.9, torchao int4/int8)
 #   +sweep=kv               the KV-cache schemes on bf16 weights
+#   +sweep=formats          the block-scaled formats (FP8 blocks, NVFP4, MXFP4/MXFP8, W4A8) on the CUDA engine:
+#                           emulated there (dequantized in fp32), so this checks they run and what they cost
+#                           emulated; with a CUDA vLLM venv (below) they are also served by vLLM's own kernels
 #   vllm                    +sweep=fp8_vs_int4 target=vllm target.device=cuda (bf16, fp8-w8a8, int8, int4-g64,
 #                           quantlab's exports served by vLLM's CUDA kernels), only where QUANTLAB_VLLM_PYTHON
 #                           names a CUDA vLLM venv there (VLLM_PACKAGE=vllm==<version pinning torch 2.13> bash
@@ -31,7 +34,7 @@ log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
 TARGET=${GPU_CHECK_TARGET:-cuda}
 PY=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
-SWEEPS=" ${GPU_CHECK_SWEEPS:-launch_overhead fp8_vs_int4 kv vllm} "   # a subset reruns one part
+SWEEPS=" ${GPU_CHECK_SWEEPS:-launch_overhead fp8_vs_int4 kv formats vllm} "   # a subset reruns one part
 start=$(date +%s)
 
 command -v "$PY" >/dev/null || fail "no $PY on PATH"
@@ -79,15 +82,21 @@ if [ "$TARGET" = cuda ]; then
   sweep fp8_vs_int4 fp8_vs_int4 100 target=cuda \
     scheme/weights=fp32,bf16,fp16,fp8-e4m3,fp8-w8a8,int8,int4-g64,int4-g32,nf4
   sweep kv kv 90 target=cuda probe.cache.corpus=builtin scheme/weights=bf16
+  sweep formats formats 120 target=cuda scheme/weights=bf16,fp8-block64,nvfp4,nvfp4-a16,mxfp4,mxfp8,w4a8-g64
 else  # dry run: the same sweeps and wiring on the CPU, two points each
   sweep launch_overhead launch_overhead 300 target=cpu scheme/weights=bf16,int8 probe.latency.repeats=1 \
     probe.latency.new_tokens=4
   sweep fp8_vs_int4 fp8_vs_int4 300 target=cpu scheme/weights=bf16,fp8-w8a8 probe.latency.repeats=1
   sweep kv kv 300 target=cpu probe.cache.corpus=builtin scheme/weights=bf16 scheme/kv=none,int8 probe.latency.repeats=1
+  sweep formats formats 300 target=cpu scheme/weights=bf16,nvfp4-a16 probe.latency.repeats=1
 fi
 if [[ "$SWEEPS" == *" vllm "* ]]; then
   if [ "$TARGET" = cuda ] && [ -n "${QUANTLAB_VLLM_PYTHON:-}" ]; then  # a vLLM server start is about a minute a point
     sweep vllm fp8_vs_int4 300 target=vllm target.device=cuda scheme/weights=bf16,fp8-w8a8,int8,int4-g64
+    # the block-scaled formats through vLLM's CUDA kernels (FP8 blocks SM89+, W4A8 SM90, NVFP4/MXFP4 SM100)
+    SWEEPS="$SWEEPS vllm_formats "
+    sweep vllm_formats formats 300 target=vllm target.device=cuda \
+      scheme/weights=bf16,fp8-block64,w4a8-g64,nvfp4-a16,nvfp4,mxfp4-a16
   else
     echo "sweep vllm: skipped (needs target cuda and QUANTLAB_VLLM_PYTHON, a CUDA vLLM venv on this machine)" \
       >>"$OUT/notes.txt"

@@ -350,12 +350,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m quantlab.sensitiv
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
     try:
-        from quantlab.schemes.configs import valid_candidate
+        from quantlab.schemes.configs import CANDIDATES, valid_candidate
 
         candidates = [c.strip() for c in args.candidates.split(",") if c.strip()]
         bad = [c for c in candidates if not valid_candidate(c)]
         if bad or not candidates:
-            raise UserError(f"candidates {bad or '(none)'}; valid: bf16, int8, int4-g32/g64/g128/g256[-sym]")
+            raise UserError(f"candidates {bad or '(none)'}; valid: {CANDIDATES}")
         budgets = [float(b) for b in args.budgets.split(",")]
         if any(b <= 0 for b in budgets) or args.tokens < 2:
             raise UserError("budgets must be > 0 and --tokens >= 2")

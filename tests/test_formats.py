@@ -153,8 +153,9 @@ def test_bits_per_weight_count_the_scales():
     from quantlab.schemes.fplinear import FP8BlockLinear, MXLinear, NVFP4Linear, W4A8Linear
 
     w = torch.randn(256, 512)
-    cases = [(NVFP4Linear(w, None, torch.bfloat16), 4 + 8 / 16 + 32 / w.numel()),
-             (MXLinear(w, None, torch.bfloat16, "fp4"), 4.25), (MXLinear(w, None, torch.bfloat16, "fp8"), 8.25),
+    cases = [(NVFP4Linear.quantize(w, None, torch.bfloat16), 4 + 8 / 16 + 32 / w.numel()),
+             (MXLinear.quantize(w, None, torch.bfloat16, "fp4"), 4.25),
+             (MXLinear.quantize(w, None, torch.bfloat16, "fp8"), 8.25),
              (FP8BlockLinear(w, None, torch.bfloat16, 128), 8 + 32 / 128 ** 2),
              (W4A8Linear(w, None, torch.bfloat16, 64), 4 + 32 / 64)]
     for mod, bits in cases:
@@ -222,3 +223,33 @@ def test_checkpoint_mappings_name_compressed_tensors_formats():
     with pytest.raises(Exception, match="mxfp4-a16"):
         formats.mapping("gguf", MXScheme())
     json.dumps(formats.mapping("checkpoint", NVFP4Scheme()))  # plain data: logged as a manifest
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_gptq_onto_the_float_grids_beats_round_to_nearest(fmt):
+    """GPTQ minimizes ||XW^T - XQ^T||: on strongly correlated inputs it must
+    beat the format's own round to nearest, with codes and scales the format
+    can hold (NVFP4's group scales E4M3 values, MX's exponents bytes)."""
+    from quantlab.schemes import fpgptq
+    from quantlab.schemes.fplinear import MXLinear, NVFP4Linear
+    from quantlab.schemes.gptq_solver import HessianAccumulator
+
+    torch.manual_seed(0)
+    k, n = 256, 128
+    x = torch.randn(2048, 16) @ torch.randn(16, k) + 0.05 * torch.randn(2048, k)
+    lin = torch.nn.Linear(k, n, bias=False)
+    lin.weight.data = torch.randn(n, k) * 0.02
+    acc = HessianAccumulator(k)
+    acc.add(x)
+    if fmt == "nvfp4":
+        g = fpgptq.nvfp4_layer(lin, acc.value(), 0.01, torch.float32, "none", None)
+        r = NVFP4Linear.quantize(lin.weight.float(), None, torch.float32)
+        assert torch.equal(g.weight_global_scale, r.weight_global_scale)  # fixed from the whole weight first
+    else:
+        g = fpgptq.mx_layer(lin, acc.value(), 0.01, torch.float32, fmt[2:], "none")
+        r = MXLinear.quantize(lin.weight.float(), None, torch.float32, fmt[2:])
+    ref = x @ lin.weight.T
+    err_gptq = (x @ g.dequantize().T - ref).pow(2).mean()
+    err_rtn = (x @ r.dequantize().T - ref).pow(2).mean()
+    assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
+    assert not torch.equal(g.dequantize(), r.dequantize())

@@ -17,8 +17,8 @@ from quantlab.pipeline import run_point
 from quantlab.schemes.fplinear import FormatLinear
 from tests.conftest import compose_cfg, tracker
 
-PRESETS = ("nvfp4", "nvfp4-a16", "mxfp4", "mxfp4-a16", "mxfp8", "fp8-block", "fp8-block64", "fp8-block-a16",
-           "w4a8-g64")
+PRESETS = ("nvfp4", "nvfp4-a16", "nvfp4-a16-gptq", "mxfp4", "mxfp4-a16", "mxfp4-a16-gptq", "mxfp8", "fp8-block",
+           "fp8-block64", "fp8-block-a16", "w4a8-g64")
 EXPORTED = tuple(p for p in PRESETS if p != "fp8-block")  # the tiny model is 64 wide: see the refusal test
 FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized",
           "fp8-block": "float-quantized", "fp8-block64": "float-quantized", "w4a8-g64": "pack-quantized"}
@@ -66,13 +66,13 @@ def test_export_decompresses_to_the_points_weights_and_reloads(points, preset, t
     client, ids = points
     out = tmp_path / preset
     manifest = run.export_run(tracker(client.tracking_uri).run(ids[preset]), out)
-    fmt = FORMAT[preset.removesuffix("-a16")]
+    fmt = FORMAT[preset.removesuffix("-gptq").removesuffix("-a16")]
     assert manifest["format"] == f"compressed-tensors/{fmt}"
     assert manifest["round_trip"]["passed"], manifest["round_trip"]
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     group = qcfg["config_groups"]["group_0"]
     assert qcfg["format"] == fmt
-    assert (group["input_activations"] is None) == preset.endswith("a16")
+    assert (group["input_activations"] is None) == ("a16" in preset)
 
     point, _ = quantized_tiny(preset)
     tensors = load_file(out / "model.safetensors")
@@ -147,3 +147,75 @@ def test_capabilities_list_the_formats_as_emulated_on_cpu():
         s = registry.weights_handler(cfg).support(cfg, hardware.cpu())
         assert s.status == "emulated" and "GEMM" in s.reason
     assert formats.exportable_tags(MXScheme(activations="none"))["exportable.gguf"] == "gguf/MXFP4"
+
+
+def test_a_mixed_recipe_takes_block_scaled_candidates(tmp_path):
+    """A recipe may give a layer NVFP4 / MXFP4 / MXFP8 / FP8-block weights:
+    the point is emulated (said before loading), counts each layer's bits,
+    and exports a config group per candidate in that format's own layout."""
+    from quantlab import hardware
+    from quantlab.export import checkpoint
+    from quantlab.schemes import registry
+    from quantlab.schemes.fplinear import MXLinear, NVFP4Linear
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: f\ndefault: int4-g64\nlayers:\n  model.layers.0.mlp.down_proj: nvfp4-a16\n"
+                      "  model.layers.1.mlp.up_proj: mxfp4-a16\n")
+    cfg = compose_cfg(["model=tiny", "scheme/weights=mixed", f"scheme.weights.recipe={recipe}"])
+    w = cfg.scheme.weights
+    assert registry.weights_handler(w).support(w, hardware.cpu()).status == "emulated"
+    model, tok = models.load(cfg.model, cfg.cache_dir)
+    dense, _ = models.load(cfg.model, cfg.cache_dir)
+    applied = registry.weights_handler(w).apply(model, w, registry.ApplyContext(hw=hardware.cpu(), tokenizer=tok))
+    assert applied.emulated
+    assert isinstance(model.model.layers[0].mlp.down_proj, NVFP4Linear)
+    assert isinstance(model.model.layers[1].mlp.up_proj, MXLinear)
+    checkpoint.write(model, tok, formats.mapping("checkpoint", w), dense, tmp_path / "out")
+    qcfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    by_format = {g["format"]: g["targets"] for g in qcfg["config_groups"].values()}
+    assert by_format["nvfp4-pack-quantized"] == ["model.layers.0.mlp.down_proj"]
+    assert by_format["mxfp4-pack-quantized"] == ["model.layers.1.mlp.up_proj"]
+    assert qcfg["format"] == "mixed-precision"
+
+
+def test_the_assumed_gpu_column_says_where_vllm_has_the_kernels():
+    from quantlab.hardware import Hardware
+    from quantlab.schemes import registry
+    from quantlab.schemes.configs import FP8BlockScheme, NVFP4Scheme
+
+    def reason(cfg, cc):
+        return registry.weights_handler(cfg).support(cfg, Hardware(device="cuda", name="x", cuda_capability=cc))
+
+    assert reason(NVFP4Scheme(), (9, 0)).status == "emulated"
+    assert "need sm_100 or newer" in reason(NVFP4Scheme(), (9, 0)).reason
+    assert "reaches sm_100" in reason(NVFP4Scheme(), (10, 0)).reason
+    assert "reaches sm_89" in reason(FP8BlockScheme(), (9, 0)).reason
+
+
+def test_per_head_fp8_kv_scales_are_calibrated_and_exported(tmp_path):
+    """kvfp8-head: one E4M3 scale per KV head (keys and values apart), each the
+    largest value that head writes over the calibration windows over 448;
+    the cache saturates past it; the export carries compressed-tensors'
+    ``attn_head`` scheme with ``[heads, 1, 1]`` scales and reloads."""
+    from quantlab.schemes import kv as kvmod
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    cfg = compose_cfg(["model=tiny", "scheme/weights=bf16", "scheme/kv=fp8-head", "scheme.kv.n_samples=4",
+                       "scheme.kv.seq_len=64", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a",
+                       "probe=smoke", "probe.latency.enabled=false", f"cache_dir={tmp_path}/c"])
+    assert cfg.scheme.kv.short_name() == "kvfp8-head" and cfg.scheme.kv.calibration_set() == "wiki"
+    rid = run_point(cfg).run_id
+    r = MlflowClient(uri).get_run(rid)
+    assert r.data.tags["quantlab.outcome"] == "finished" and "per head" in r.data.tags["backend.kv"]
+    manifest = run.export_run(tracker(uri).run(rid), tmp_path / "out")
+    assert manifest["round_trip"]["passed"], manifest["round_trip"]
+    qcfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qcfg["kv_cache_scheme"]["strategy"] == "attn_head"
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    heads = compose_cfg(["model=tiny"]).model.tiny.num_key_value_heads
+    k = tensors["model.layers.0.self_attn.k_scale"]
+    assert k.shape == (heads, 1, 1) and len(set(k.flatten().tolist())) == heads
+    layer = kvmod.Fp8CalibratedLayer(k.view(1, -1, 1, 1), k.view(1, -1, 1, 1))
+    big = torch.full((1, heads, 1, 8), 1e4)
+    q, _ = layer._quantize(big, layer.k_scale)
+    assert torch.isfinite(q.float()).all() and (q.float() == 448).all()  # saturated, not NaN

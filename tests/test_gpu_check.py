@@ -25,7 +25,8 @@ def test_dry_run_on_cpu_writes_report_and_store(tmp_path):
     proc = _run({"OUT": str(tmp_path), "GPU_CHECK_TARGET": "cpu", "GPU_CHECK_LAYERS": "2", "GPU_CHECK_WHEELS": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     report = (tmp_path / "gpu_report.md").read_text()
-    for section in ("## Capability matrix", "## launch_overhead", "## fp8_vs_int4", "## kv", "| weights=int8 |"):
+    for section in ("## Capability matrix", "## launch_overhead", "## fp8_vs_int4", "## kv", "## formats",
+                    "| weights=int8 |", "| weights=nvfp4 |"):
         assert section in report
     assert "sweep vllm: skipped (needs target cuda and QUANTLAB_VLLM_PYTHON" in report and "## vllm" not in report
     c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
@@ -36,9 +37,9 @@ def test_dry_run_on_cpu_writes_report_and_store(tmp_path):
         by_sweep.setdefault(r.data.tags["quantlab.sweep"], []).append(r.data.tags["quantlab.outcome"])
     # fp8_vs_int4: the two weight schemes asked for plus the sweep's off-grid int4-g64 + INT8 KV point
     assert by_sweep == {"launch_overhead": ["finished"] * 2, "fp8_vs_int4": ["finished"] * 3,
-                        "kv": ["finished"] * 2}
+                        "kv": ["finished"] * 2, "formats": ["finished"] * 2}
     assert set(os.listdir(tmp_path)) <= {"mlflow.db", "gpu_report.md", "notes.txt", "launch_overhead.log",
-                                         "fp8_vs_int4.log", "kv.log"}  # what the device tool brings back
+                                         "fp8_vs_int4.log", "kv.log", "formats.log"}  # what the device tool brings back
 
 
 def test_a_subset_reruns_one_sweep_alone(tmp_path):

@@ -31,13 +31,15 @@ _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # mixed recipes: a candidate per layer
 KEEP = "bf16"
 _INT4 = re.compile(r"^int4-g(?P<g>32|64|128|256)(?P<sym>-sym)?$")
-CANDIDATES = "bf16, int8, int4-g32/g64/g128/g256[-sym]"
+# block-scaled weight-only formats a layer may take (emulated on CPU: a recipe with any is an emulated point)
+FORMAT_CANDIDATES = ("nvfp4-a16", "mxfp4-a16", "mxfp8-a16", "fp8-block-a16")
+CANDIDATES = f"bf16, int8, int4-g32/g64/g128/g256[-sym], {', '.join(FORMAT_CANDIDATES)}"
 _RECIPE_KEYS = ("name", "default", "layers", "predicted", "source")  # the last two: what the sensitivity tool
 # predicted and measured on, kept for the reader, not read
 
 
 def valid_candidate(name: object) -> bool:
-    return isinstance(name, str) and (name in (KEEP, "int8") or bool(_INT4.match(name)))
+    return isinstance(name, str) and (name in (KEEP, "int8", *FORMAT_CANDIDATES) or bool(_INT4.match(name)))
 
 
 def read_recipe(recipe: str, default: str) -> tuple[str, str, dict[str, str]]:
@@ -255,21 +257,26 @@ class NVFP4Scheme(WeightScheme):
     """NVFP4: E2M1 weights, an E4M3 scale per 16 and an fp32 scale per tensor
     (compressed-tensors ``NVFP4`` / ``NVFP4A16``). ``activations=nvfp4`` (W4A4)
     quantizes each Linear's input the same way, its per-tensor scale calibrated
-    on ``n_samples`` windows (llm-compressor's static global, dynamic local scales)."""
+    on ``n_samples`` windows (llm-compressor's static global, dynamic local
+    scales). ``gptq``: the weights' codes chosen by GPTQ (each group's scale
+    from its error-updated weights, as llm-compressor's GPTQ does for NVFP4)
+    on the same calibration windows, instead of round to nearest."""
     HANDLER: ClassVar[str] = "quantlab.schemes.nvfp4"
     LABEL: ClassVar[str] = "nvfp4"
     activations: str = field(default="nvfp4", metadata={"choices": ("nvfp4", "none")})
-    calibration: str = "wiki"  # for the activations' global scales
+    gptq: bool = False
+    damp: float = field(default=0.01, metadata={"above": 0})
+    calibration: str = "wiki"  # for the activations' global scales and for GPTQ's Hessians
     n_samples: int = field(default=16, metadata={"min": 1})
     seq_len: int = field(default=512, metadata={"min": 2})
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
 
     def short_name(self) -> str:
-        return "nvfp4" if self.activations == "nvfp4" else "nvfp4-a16"
+        return f"nvfp4{'' if self.activations == 'nvfp4' else '-a16'}{'-gptq' if self.gptq else ''}"
 
     def calibration_set(self) -> str | None:
-        return self.calibration if self.activations == "nvfp4" else None
+        return self.calibration if self.activations == "nvfp4" or self.gptq else None
 
 
 @dataclass
@@ -277,16 +284,25 @@ class MXScheme(WeightScheme):
     """OCP microscaling: E2M1 (``fp4``) or E4M3 (``fp8``) elements with an E8M0
     power-of-two scale per 32 (compressed-tensors ``MXFP4`` / ``MXFP8`` and their
     ``A16`` forms); ``activations=mx`` quantizes each Linear's input to the same
-    format, dynamically per 32."""
+    format, dynamically per 32. ``gptq``: codes chosen by GPTQ on
+    ``n_samples`` calibration windows instead of round to nearest."""
     HANDLER: ClassVar[str] = "quantlab.schemes.mx"
     LABEL: ClassVar[str] = "mx"
     elem: str = field(default="fp4", metadata={"choices": ("fp4", "fp8")})
     activations: str = field(default="mx", metadata={"choices": ("mx", "none")})
+    gptq: bool = False
+    damp: float = field(default=0.01, metadata={"above": 0})
+    calibration: str = "wiki"  # for GPTQ
+    n_samples: int = field(default=64, metadata={"min": 1})
+    seq_len: int = field(default=512, metadata={"min": 2})
     compute_dtype: str = "bfloat16"
     skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
 
     def short_name(self) -> str:
-        return f"mx{self.elem}{'' if self.activations == 'mx' else '-a16'}"
+        return f"mx{self.elem}{'' if self.activations == 'mx' else '-a16'}{'-gptq' if self.gptq else ''}"
+
+    def calibration_set(self) -> str | None:
+        return self.calibration if self.gptq else None
 
 
 @dataclass
@@ -363,15 +379,16 @@ class FP8KV(KVScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.kv"
     LABEL: ClassVar[str] = "fp8 kv"
     # prefill: one scale per tensor from the prefill (transformers' Fp8QuantizedLayer); calibrated: one
-    # per tensor from the calibration set (llm-compressor's and vLLM's k_scale / v_scale), fixed
-    scales: str = field(default="prefill", metadata={"choices": ("prefill", "calibrated")})
+    # per tensor from the calibration set (llm-compressor's and vLLM's k_scale / v_scale), fixed;
+    # calibrated-head: one per KV head from the calibration set (compressed-tensors' attn_head strategy)
+    scales: str = field(default="prefill", metadata={"choices": ("prefill", "calibrated", "calibrated-head")})
     calibration: str = "wiki"
     n_samples: int = field(default=16, metadata={"min": 1})
     seq_len: int = field(default=512, metadata={"min": 2})
 
     def short_name(self) -> str:
-        return "kvfp8" if self.scales == "prefill" else "kvfp8-cal"
+        return {"prefill": "kvfp8", "calibrated": "kvfp8-cal", "calibrated-head": "kvfp8-head"}[self.scales]
 
     def calibration_set(self) -> str | None:
-        return self.calibration if self.scales == "calibrated" else None
+        return self.calibration if self.scales.startswith("calibrated") else None
 

@@ -21,7 +21,7 @@ from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, r
 
 
 def support(cfg: FP8BlockScheme, hw: Hardware) -> Support:
-    return emulated_support(hw, "FP8 block-scaled", "vLLM runs block FP8 checkpoints on SM89+ (target=vllm)")
+    return emulated_support(hw, "FP8 block-scaled", (8, 9))
 
 
 def apply(model: torch.nn.Module, cfg: FP8BlockScheme, ctx: ApplyContext) -> Applied:

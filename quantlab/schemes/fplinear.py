@@ -81,18 +81,23 @@ class FormatLinear(nn.Module):
 
 
 class NVFP4Linear(FormatLinear):
-    def __init__(self, weight: torch.Tensor, bias, compute_dtype, activations: str = "none",
-                 input_global_scale: torch.Tensor | None = None):
-        n, k = weight.shape
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, bias, compute_dtype,
+                 activations: str = "none", input_global_scale: torch.Tensor | None = None):
+        n, k = codes.shape
         super().__init__(n, k, bias, compute_dtype, activations)
-        codes, scale, gs = fq.nvfp4_quantize(weight)
-        self.register_buffer("weight_packed", fq.pack_nibbles(codes))
+        self.register_buffer("weight_packed", fq.pack_nibbles(codes.to(torch.uint8)))
         self.register_buffer("weight_scale", scale.to(torch.float8_e4m3fn))
-        self.register_buffer("weight_global_scale", gs)
+        self.register_buffer("weight_global_scale", global_scale.float().reshape(1))
         if activations == "nvfp4":
             if input_global_scale is None:
                 raise ValueError("NVFP4 activations need a calibrated input_global_scale")
             self.register_buffer("input_global_scale", input_global_scale.float().reshape(1))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias, compute_dtype, activations: str = "none",
+                 input_global_scale: torch.Tensor | None = None) -> "NVFP4Linear":
+        """Round to nearest (the reference's RTN)."""
+        return cls(*fq.nvfp4_quantize(weight), bias, compute_dtype, activations, input_global_scale)
 
     def dequantize(self) -> torch.Tensor:
         return fq.nvfp4_dequantize(fq.unpack_nibbles(self.weight_packed), self.weight_scale.float(),
@@ -107,16 +112,21 @@ class NVFP4Linear(FormatLinear):
 
 
 class MXLinear(FormatLinear):
-    def __init__(self, weight: torch.Tensor, bias, compute_dtype, elem: str, activations: str = "none"):
-        n, k = weight.shape
+    def __init__(self, elements: torch.Tensor, exponents: torch.Tensor, bias, compute_dtype, elem: str,
+                 activations: str = "none"):
+        n, k = elements.shape
         super().__init__(n, k, bias, compute_dtype, activations)
         self.elem = elem
-        elements, e = fq.mx_quantize(weight, elem)
         if elem == "fp4":
-            self.register_buffer("weight_packed", fq.pack_nibbles(elements))
+            self.register_buffer("weight_packed", fq.pack_nibbles(elements.to(torch.uint8)))
         else:
-            self.register_buffer("weight", elements)
-        self.register_buffer("weight_scale", e)  # E8M0: biased exponents
+            self.register_buffer("weight", elements.to(torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", exponents.to(torch.uint8))  # E8M0: biased exponents
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias, compute_dtype, elem: str, activations: str = "none") -> "MXLinear":
+        """Round to nearest (the reference's RTN)."""
+        return cls(*fq.mx_quantize(weight, elem), bias, compute_dtype, elem, activations)
 
     def elements(self) -> torch.Tensor:
         """FP4 codes (uint8) or E4M3 values, ``[N, K]``."""
@@ -167,17 +177,24 @@ class W4A8Linear(FormatLinear):
         return {"weight": self.dequantize(), "weight_scale": self.weight_scale}
 
 
-def emulated_support(hw, what: str, gpu_note: str):
-    """The support answer of every block-scaled format: emulated on CPU and in
-    quantlab's CUDA engine (``gpu_note``: where a real kernel exists), else unsupported."""
+def emulated_support(hw, what: str, native: tuple[int, int]):
+    """The support answer of every block-scaled format in quantlab's own
+    engines: emulated on a CPU and on CUDA (no GEMM of these formats wired
+    into the torch engine), its reason saying whether the GPU's compute
+    capability reaches ``native``, where vLLM's kernels run the export
+    (``target=vllm``, not verified here); unsupported elsewhere."""
     from quantlab.schemes.registry import Support
 
     if hw.device == "cpu":
         return Support("emulated", f"no {what} GEMM on a CPU: the format's codes and scales are stored, "
                                    "dequantized and multiplied in fp32")
     if hw.device == "cuda":
+        sm = f"sm_{native[0]}{native[1]}"
+        where = (f"this GPU reaches {sm}: serve the export with target=vllm for vLLM's {what} kernels"
+                 if hw.cuda_capability is not None and tuple(hw.cuda_capability) >= native
+                 else f"vLLM's {what} kernels need {sm} or newer")
         return Support("emulated", f"quantlab's torch engine has no {what} GEMM wired: dequantized and multiplied "
-                                   f"in fp32; {gpu_note}")
+                                   f"in fp32; {where}")
     return Support("unsupported", f"{what} on {hw.device}")
 
 

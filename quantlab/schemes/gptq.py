@@ -114,11 +114,10 @@ def _run_layer(layer, hidden, kwargs):
 
 
 @torch.inference_mode()
-def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
-    dtype = getattr(torch, cfg.compute_dtype)
-    selected = dict(layers.select(model, cfg.skip))
-    layers.check_group_size(list(selected.items()), cfg.group_size, cfg.short_name())
-    ids, tags = calibration.batch_or_builtin(cfg.calibration, "gptq", ctx, cfg.n_samples, cfg.seq_len)
+def sequential(model: nn.Module, selected: set[str], ids: torch.Tensor, solve) -> None:
+    """Replace each selected Linear, decoder layer by decoder layer, by
+    ``solve(linear, hessian)``: the Hessian of the inputs the layer sees once
+    the layers before it are quantized (GPTQ's sequential order)."""
     decoder = _decoder_layers(model)
     states = _first_layer_inputs(model, decoder, ids)
     prefix = {id(m): n for n, m in model.named_modules()}
@@ -134,12 +133,23 @@ def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
             h.remove()
         hessians = accs.hessians()
         for n, m in linears.items():
-            q, scale, zero = gptq_int4(m.weight.float(), hessians[n], cfg.group_size,
-                                       cfg.symmetric, cfg.damp, cfg.act_order)
-            layers.replace(layer, n, Int4Linear(q, scale, zero, cfg.group_size, m.bias, dtype))
+            layers.replace(layer, n, solve(f"{prefix[id(layer)]}.{n}", m, hessians[n]))
         if li + 1 < len(decoder):  # the quantized layer's outputs feed the next one (the last one's: nothing)
             states = [(_run_layer(layer, hidden, kw), kw) for hidden, kw in states]
         log.info("gptq: layer %d/%d quantized (%d linears)", li + 1, len(decoder), len(linears))
+
+
+def apply(model: nn.Module, cfg: GPTQScheme, ctx: ApplyContext) -> Applied:
+    dtype = getattr(torch, cfg.compute_dtype)
+    selected = dict(layers.select(model, cfg.skip))
+    layers.check_group_size(list(selected.items()), cfg.group_size, cfg.short_name())
+    ids, tags = calibration.batch_or_builtin(cfg.calibration, "gptq", ctx, cfg.n_samples, cfg.seq_len)
+
+    def solve(_name, m, h):
+        q, scale, zero = gptq_int4(m.weight.float(), h, cfg.group_size, cfg.symmetric, cfg.damp, cfg.act_order)
+        return Int4Linear(q, scale, zero, cfg.group_size, m.bias, dtype)
+
+    sequential(model, set(selected), ids, solve)
     layers.cast_parameters(model, dtype)
     return Applied(backend="quantlab.gptq+aten._weight_int4pack_mm_for_cpu", emulated=False, tags={**tags, **prefill_tags(dtype)})
 

@@ -13,7 +13,9 @@
 * ``fp8``: transformers' own ``Fp8QuantizedLayer`` (E4M3, per-tensor scale
   from the prefill), or one scale per tensor from the calibration set
   (``calibrated``: vLLM's ``k_scale`` / ``v_scale``, which an export writes as
-  compressed-tensors' ``kv_cache_scheme``), values past it saturated.
+  compressed-tensors' ``kv_cache_scheme``), or one per KV head
+  (``calibrated-head``: compressed-tensors' ``attn_head`` strategy, scales
+  ``[heads, 1, 1]``), values past it saturated.
 
 Calibrated scales (:func:`calibrate`) are the absolute maxima of the keys and
 values the point itself (its quantized weights) writes into its cache over the
@@ -225,7 +227,7 @@ def cache_factory(cfg: KVScheme, amax: list[tuple[torch.Tensor, torch.Tensor]] |
     probes; ``amax``: :func:`calibrate`'s maxima, for calibrated scales."""
     if isinstance(cfg, NoKV):
         return DynamicCache
-    calibrated = getattr(cfg, "scales", "") == "calibrated"
+    calibrated = getattr(cfg, "scales", "").startswith("calibrated")
     if calibrated and amax is None:
         raise ValueError(f"{cfg.short_name()}: calibrated scales need the calibration's maxima")
     if isinstance(cfg, Int8KV):
@@ -236,6 +238,9 @@ def cache_factory(cfg: KVScheme, amax: list[tuple[torch.Tensor, torch.Tensor]] |
     if isinstance(cfg, Int4KV):
         return partial(KVCache, lambda i: Int4Layer(cfg.group_size, cfg.residual_length))
     if isinstance(cfg, FP8KV):
+        if cfg.scales == "calibrated-head":
+            scales = [tuple(fp8_head_scales(a).view(1, -1, 1, 1) for a in kv) for kv in amax]
+            return partial(KVCache, lambda i: Fp8CalibratedLayer(*scales[i]))
         if calibrated:
             scales = [tuple(fp8_scale(a) for a in kv) for kv in amax]
             return partial(KVCache, lambda i: Fp8CalibratedLayer(*scales[i]))
@@ -249,14 +254,21 @@ def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     return (amax.float().max().clamp_min(1e-8) / Fp8QuantizedLayer.fp8_max).reshape(())
 
 
+def fp8_head_scales(amax: torch.Tensor) -> torch.Tensor:
+    """One E4M3 scale per KV head ``[H]`` from per-head maxima."""
+    return amax.float().clamp_min(1e-8) / Fp8QuantizedLayer.fp8_max
+
+
 # compressed-tensors' description of a static per-tensor FP8 cache (llm-compressor writes the same)
 FP8_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
 
 
-def checkpoint_scales(model: torch.nn.Module, amax: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+def checkpoint_scales(model: torch.nn.Module, amax: list[tuple[torch.Tensor, torch.Tensor]],
+                      per_head: bool = False) -> dict:
     """What an export of a calibrated FP8 cache writes: ``kv_cache_scheme`` and
-    ``<attention module>.k_scale`` / ``.v_scale`` (float32 ``[1]``) per layer,
-    the names compressed-tensors writes and vLLM maps onto its attention layers.
+    ``<attention module>.k_scale`` / ``.v_scale`` per layer (float32 ``[1]``, or
+    ``[heads, 1, 1]`` with ``per_head``: the ``attn_head`` strategy), the names
+    compressed-tensors writes and vLLM maps onto its attention layers.
     The attention modules are the model's ``*Attention`` modules in order, one
     per cache layer (a mismatch raises)."""
     attn = [n for n, m in model.named_modules() if type(m).__name__.endswith("Attention")]
@@ -264,9 +276,11 @@ def checkpoint_scales(model: torch.nn.Module, amax: list[tuple[torch.Tensor, tor
         raise ValueError(f"{len(attn)} attention modules for {len(amax)} cache layers: cannot name the KV scales")
     tensors = {}
     for name, (k, v) in zip(attn, amax):
-        tensors[f"{name}.k_scale"] = fp8_scale(k).reshape(1)
-        tensors[f"{name}.v_scale"] = fp8_scale(v).reshape(1)
-    return {"kv_cache_scheme": dict(FP8_KV_CACHE_SCHEME), "tensors": tensors}
+        for what, a in (("k", k), ("v", v)):
+            tensors[f"{name}.{what}_scale"] = fp8_head_scales(a).reshape(-1, 1, 1) if per_head else \
+                fp8_scale(a).reshape(1)
+    return {"kv_cache_scheme": {**FP8_KV_CACHE_SCHEME, "strategy": "attn_head" if per_head else "tensor"},
+            "tensors": tensors}
 
 
 def scale_tags(amax: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, str]:
@@ -301,9 +315,9 @@ def apply(model: torch.nn.Module, cfg: KVScheme, ctx: ApplyContext) -> Applied:
     scales = getattr(cfg, "scales", "")
     backend = {NoKV: "transformers.DynamicCache", Int8KV: f"quantlab.Int8Layer({scales})",
                Int4KV: "quantlab.Int4Layer(KIVI)",
-               FP8KV: "transformers.Fp8QuantizedLayer" if scales != "calibrated" else
-               "quantlab.Fp8CalibratedLayer"}[type(cfg)]
-    if scales != "calibrated":
+               FP8KV: "transformers.Fp8QuantizedLayer" if not scales.startswith("calibrated") else
+               f"quantlab.Fp8CalibratedLayer({'per head' if scales == 'calibrated-head' else 'per tensor'})"}[type(cfg)]
+    if not scales.startswith("calibrated"):
         return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg), config=cfg)
     from quantlab import calibration
 
@@ -311,7 +325,8 @@ def apply(model: torch.nn.Module, cfg: KVScheme, ctx: ApplyContext) -> Applied:
     amax = calibrate(model, ids)
     return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg, amax), config=cfg,
                    tags={**{f"kv.{k}": v for k, v in tags.items()}, **scale_tags(amax)},
-                   checkpoint=checkpoint_scales(model, amax) if isinstance(cfg, FP8KV) else {})
+                   checkpoint=checkpoint_scales(model, amax, scales == "calibrated-head")
+                   if isinstance(cfg, FP8KV) else {})
 
 
 _GGUF_CACHE = {NoKV: "F16", Int8KV: "Q8_0", Int4KV: "Q4_0"}
@@ -322,7 +337,7 @@ def gguf(cfg: KVScheme) -> Mapping:
     dimension, one fp16 scale each (dynamic, not quantlab's per-head scales)."""
     if type(cfg) not in _GGUF_CACHE:
         return Mapping(reason=f"llama.cpp has no cache type for {cfg.short_name()} (q8_0 and q4_0 only)")
-    if getattr(cfg, "scales", "") == "calibrated":
+    if getattr(cfg, "scales", "").startswith("calibrated"):
         return Mapping(reason=f"{cfg.short_name()}: llama.cpp's q8_0 cache scales each block as it is written; "
                               f"it takes no calibrated scales")
     return Mapping({"type": _GGUF_CACHE[type(cfg)]})
@@ -340,6 +355,9 @@ def vllm(cfg: KVScheme) -> Mapping:
     have no vLLM counterpart."""
     if type(cfg) not in _VLLM_CACHE:
         return Mapping(reason=f"{cfg.short_name()}: quantlab's cache layout has no vLLM --kv-cache-dtype (fp8 maps)")
+    if getattr(cfg, "scales", "") == "calibrated-head":
+        return Mapping(reason=f"{cfg.short_name()}: per-head k/v scales are read by vLLM's CUDA flash-attention "
+                              "backend only (not tried here); its CPU build takes per-tensor scales: kvfp8-cal")
     scales = "" if isinstance(cfg, NoKV) else "checkpoint" if cfg.scales == "calibrated" else "1.0"
     return Mapping({"kv_cache_dtype": _VLLM_CACHE[type(cfg)], "scales": scales})
 

@@ -28,7 +28,8 @@ from quantlab import calibration
 from quantlab.errors import UserError
 from quantlab.hardware import Hardware
 from quantlab.schemes import awq, layers
-from quantlab.schemes.configs import AWQ_GRID, KEEP, MixedScheme, _INT4
+from quantlab.schemes.configs import AWQ_GRID, CANDIDATES, FORMAT_CANDIDATES, KEEP, MixedScheme, _INT4
+from quantlab.schemes.fplinear import FormatLinear, FP8BlockLinear, MXLinear, NVFP4Linear
 from quantlab.schemes.awq import rtn_dequantized
 from quantlab.schemes.qlinear import Int4Linear, Int8Linear, prefill_tags, rtn_int8
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
@@ -40,12 +41,24 @@ def _int8_readback(w: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
+# a block-scaled candidate's layer from a float weight, bias and compute dtype
+_FORMAT_LAYERS = {
+    "nvfp4-a16": lambda w, b, dtype: NVFP4Linear.quantize(w, b, dtype),
+    "mxfp4-a16": lambda w, b, dtype: MXLinear.quantize(w, b, dtype, "fp4"),
+    "mxfp8-a16": lambda w, b, dtype: MXLinear.quantize(w, b, dtype, "fp8"),
+    "fp8-block-a16": lambda w, b, dtype: FP8BlockLinear(w, b, dtype, 128),
+}
+_FORMAT_GROUP = {"nvfp4-a16": 16, "mxfp4-a16": 32, "mxfp8-a16": 32, "fp8-block-a16": 1}
+
+
 def readback(candidate: str):
     """The weight ``candidate``'s kernel reads back for a weight (``bf16``: itself)."""
     if candidate == KEEP:
         return lambda w: w
     if candidate == "int8":
         return _int8_readback
+    if candidate in _FORMAT_LAYERS:
+        return lambda w: _FORMAT_LAYERS[candidate](w.float(), None, torch.float32).dequantize()
     m = _INT4.match(candidate)
     return functools.partial(rtn_dequantized, group_size=int(m["g"]), symmetric=bool(m["sym"]))
 
@@ -56,10 +69,14 @@ def quantize_linear(lin: torch.nn.Linear, candidate: str, dtype: torch.dtype) ->
         return lin
     if candidate == "int8":
         return Int8Linear.from_linear(lin, dtype)
+    if candidate in _FORMAT_LAYERS:
+        if lin.in_features % _FORMAT_GROUP[candidate]:
+            raise UserError(f"{candidate}: group {_FORMAT_GROUP[candidate]} does not divide in_features "
+                            f"{lin.in_features}")
+        return _FORMAT_LAYERS[candidate](lin.weight.detach().float(), lin.bias, dtype)
     m = _INT4.match(candidate)
     if m is None:
-        raise UserError(f"unknown mixed-precision candidate {candidate!r}; valid: bf16, int8, "
-                        "int4-g32/g64/g128/g256 (optionally -sym)")
+        raise UserError(f"unknown mixed-precision candidate {candidate!r}; valid: {CANDIDATES}")
     group = int(m["g"])
     if lin.in_features % group:
         raise UserError(f"{candidate}: group {group} does not divide in_features {lin.in_features}")
@@ -68,6 +85,8 @@ def quantize_linear(lin: torch.nn.Linear, candidate: str, dtype: torch.dtype) ->
 
 def support(cfg: MixedScheme, hw: Hardware) -> Support:
     if hw.device == "cpu":
+        if emulated := sorted({cfg.default, *cfg.layers.values()} & set(FORMAT_CANDIDATES)):
+            return Support("emulated", f"{', '.join(emulated)} layers have no CPU kernel (dequantized per layer)")
         return Support("real", "each layer on its uniform scheme's CPU kernel")
     return Support("unsupported", f"mixed recipes run on CPU only so far (not {hw.device})")
 
@@ -92,8 +111,10 @@ def apply(model: torch.nn.Module, cfg: MixedScheme, ctx: ApplyContext) -> Applie
         counts[choice] = counts.get(choice, 0) + 1
     layers.cast_parameters(model, dtype)
     tags.update({f"mixed.layers.{c}": str(n) for c, n in sorted(counts.items())})
-    return Applied(backend=f"mixed{'+awq' if cfg.awq else ''}: aten int8/int4 CPU kernels per layer",
-                   emulated=False, tags={**tags, **prefill_tags(dtype)})
+    emulated = any(isinstance(m, FormatLinear) for m in model.modules())  # a block-scaled layer has no CPU kernel
+    how = "; block-scaled layers dequantized (emulated)" if emulated else ""
+    return Applied(backend=f"mixed{'+awq' if cfg.awq else ''}: aten int8/int4 CPU kernels per layer{how}",
+                   emulated=emulated, tags={**tags, **prefill_tags(dtype)})
 
 
 def checkpoint(cfg: MixedScheme) -> Mapping:
@@ -103,11 +124,18 @@ def checkpoint(cfg: MixedScheme) -> Mapping:
     ``bf16`` layers stay dense. The model's format is ``mixed-precision``
     where the groups' formats differ, else theirs (as compressed-tensors
     writes it: int8 and int4 groups are both ``pack-quantized``)."""
-    from quantlab.schemes import int4, int8
+    from quantlab.schemes import fp8block, int4, int8, mx, nvfp4
+    from quantlab.schemes.configs import FP8BlockScheme, MXScheme, NVFP4Scheme
 
+    formats = {"nvfp4-a16": lambda d: nvfp4.checkpoint(NVFP4Scheme(activations="none", compute_dtype=d)),
+               "mxfp4-a16": lambda d: mx.checkpoint(MXScheme(elem="fp4", activations="none", compute_dtype=d)),
+               "mxfp8-a16": lambda d: mx.checkpoint(MXScheme(elem="fp8", activations="none", compute_dtype=d)),
+               "fp8-block-a16": lambda d: fp8block.checkpoint(FP8BlockScheme(activations="none", compute_dtype=d))}
     candidates = {}
     for c in sorted({cfg.default, *cfg.layers.values()} - {KEEP}):
-        if c == "int8":
+        if c in formats:
+            m = formats[c](cfg.compute_dtype)
+        elif c == "int8":
             m = int8.checkpoint(int8.Int8Scheme(compute_dtype=cfg.compute_dtype))
         else:
             g = _INT4.match(c)

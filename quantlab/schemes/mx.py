@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from quantlab.hardware import Hardware
-from quantlab.schemes import layers
+from quantlab.schemes import fpgptq, layers
 from quantlab.schemes.configs import MXScheme
 from quantlab.schemes.fplinear import MXLinear, emulated_support, replace_all
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
@@ -20,17 +20,23 @@ GROUP = 32
 
 
 def support(cfg: MXScheme, hw: Hardware) -> Support:
-    arch = "SM100 (Blackwell)" if cfg.elem == "fp4" or cfg.activations == "mx" else "SM90/SM100"
-    return emulated_support(hw, cfg.short_name().upper(), f"vLLM runs MX checkpoints on {arch} (target=vllm)")
+    return emulated_support(hw, cfg.short_name().upper(), (10, 0))
 
 
 def apply(model: torch.nn.Module, cfg: MXScheme, ctx: ApplyContext) -> Applied:
     dtype = getattr(torch, cfg.compute_dtype)
     act = f"mx{cfg.elem}" if cfg.activations == "mx" else "none"
-    replace_all(model, cfg.skip, lambda _n, lin: MXLinear(lin.weight.float(), lin.bias, dtype, cfg.elem, act),
-                GROUP, cfg.short_name())
+    tags: dict[str, str] = {}
+    if cfg.gptq:
+        selected = layers.select(model, cfg.skip)
+        layers.check_group_size(selected, GROUP, cfg.short_name())
+        tags = fpgptq.quantize(model, {n for n, _ in selected}, cfg, ctx, f"{cfg.short_name()}",
+                               lambda _n, lin, h: fpgptq.mx_layer(lin, h, cfg.damp, dtype, cfg.elem, act))
+    else:
+        replace_all(model, cfg.skip, lambda _n, lin: MXLinear.quantize(lin.weight.float(), lin.bias, dtype, cfg.elem,
+                                                                       act), GROUP, cfg.short_name())
     layers.cast_parameters(model, dtype)
-    return Applied(backend=f"quantlab.MXLinear({cfg.short_name()}, dequant)", emulated=True)
+    return Applied(backend=f"quantlab.MXLinear({cfg.short_name()}, dequant)", emulated=True, tags=tags)
 
 
 def _args(elem: str) -> dict:

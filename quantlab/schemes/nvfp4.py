@@ -15,7 +15,7 @@ from torch import nn
 
 from quantlab import calibration
 from quantlab.hardware import Hardware
-from quantlab.schemes import fpquant, layers
+from quantlab.schemes import fpgptq, fpquant, layers
 from quantlab.schemes.configs import NVFP4Scheme
 from quantlab.schemes.fplinear import NVFP4Linear, emulated_support, replace_all
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
@@ -24,7 +24,7 @@ GROUP = 16
 
 
 def support(cfg: NVFP4Scheme, hw: Hardware) -> Support:
-    return emulated_support(hw, "NVFP4", "vLLM runs NVFP4 checkpoints on SM100 (Blackwell; target=vllm)")
+    return emulated_support(hw, "NVFP4", (10, 0))
 
 
 @torch.inference_mode()
@@ -52,15 +52,22 @@ def apply(model: torch.nn.Module, cfg: NVFP4Scheme, ctx: ApplyContext) -> Applie
     dtype = getattr(torch, cfg.compute_dtype)
     tags: dict[str, str] = {}
     scales: dict[str, torch.Tensor] = {}
+    selected = layers.select(model, cfg.skip)
+    layers.check_group_size(selected, GROUP, cfg.short_name())
+    names = {n for n, _ in selected}
     if cfg.activations == "nvfp4":
         ids, tags = calibration.batch_or_builtin(cfg.calibration, "nvfp4", ctx, cfg.n_samples, cfg.seq_len)
-        names = {n for n, _ in layers.select(model, cfg.skip)}
         scales = {n: fpquant.nvfp4_global_scale(a) for n, a in input_amax(model, names, ids).items()}
     act = "nvfp4" if cfg.activations == "nvfp4" else "none"
-    replace_all(model, cfg.skip, lambda n, lin: NVFP4Linear(lin.weight.float(), lin.bias, dtype, act, scales.get(n)),
-                GROUP, cfg.short_name())
+    if cfg.gptq:
+        tags.update(fpgptq.quantize(model, names, cfg, ctx, "nvfp4-gptq", lambda n, lin, h: fpgptq.nvfp4_layer(
+            lin, h, cfg.damp, dtype, act, scales.get(n))))
+    else:
+        replace_all(model, cfg.skip, lambda n, lin: NVFP4Linear.quantize(lin.weight.float(), lin.bias, dtype, act,
+                                                                         scales.get(n)), GROUP, cfg.short_name())
     layers.cast_parameters(model, dtype)
-    return Applied(backend="quantlab.NVFP4Linear(dequant)", emulated=True, tags=tags)
+    return Applied(backend=f"quantlab.NVFP4Linear({'gptq' if cfg.gptq else 'rtn'}, dequant)", emulated=True,
+                   tags=tags)
 
 
 _ARGS = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": GROUP,

@@ -16,7 +16,7 @@ from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, r
 
 
 def support(cfg: W4A8Scheme, hw: Hardware) -> Support:
-    return emulated_support(hw, "INT4 x FP8", "vLLM runs W4AFP8 checkpoints on SM90 (target=vllm)")
+    return emulated_support(hw, "INT4 x FP8", (9, 0))
 
 
 def apply(model: torch.nn.Module, cfg: W4A8Scheme, ctx: ApplyContext) -> Applied:
