@@ -2,7 +2,7 @@
 
 Real FP8 GEMMs need FP8 tensor cores (CUDA SM >= 8.9) and FP8 activations
 (``activations=dynamic``, torchao + ``torch._scaled_mm``). Everything else is
-emulated: FP8 storage, dequantized to the compute dtype per call.
+emulated: FP8 storage, dequantized to the compute dtype once and kept beside it.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def support(cfg: FP8Scheme, hw: Hardware) -> Support:
         return Support("real", "torchao _scaled_mm; eager pays a Python dispatch per linear: compile for its speed")
     if hw.device in ("cpu", "cuda"):
         why = "no FP8 GEMM on this device" if not _fp8_tensor_cores(hw) else "weight-only FP8 has no fused kernel"
-        return Support("emulated", f"{why}: FP8 storage, dequantized to {cfg.compute_dtype} per matmul")
+        return Support("emulated", f"{why}: FP8 storage, dequantized to {cfg.compute_dtype} (once, kept) for a float matmul")
     return Support("unsupported", f"fp8 on {hw.device}")
 
 

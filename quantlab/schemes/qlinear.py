@@ -10,8 +10,9 @@ Each module holds its weight in the packed form a real kernel reads, and its
   "tinygemm" layout, ATen's ``_weight_int4pack_mm_for_cpu`` (the kernel torchao's
   ``Int4OpaqueTensor`` uses); symmetric and asymmetric both map onto it.
 * ``FP8Linear``: float8 storage + per-channel scale, dequantized to the compute
-  dtype inside ``forward``. That is an *emulation* (no FP8 GEMM on CPU):
-  storage is real, latency is not that of an FP8 kernel.
+  dtype on first use and kept beside the codes (outside the state dict). That
+  is an *emulation* (no FP8 GEMM on CPU): storage is real, latency and memory
+  are not those of an FP8 kernel.
 
 ``dequantize()`` returns the float weight each module computes with, for
 numerics tests and export.
@@ -312,14 +313,20 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_fp8", (w / scale[:, None]).to(fp8_dtype))
         self.register_buffer("scale", scale)  # [N] fp32
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
+        self._weight: torch.Tensor | None = None  # the dequantized weight, made on first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype, x = x.dtype, x.to(self.compute_dtype)
         if self.act_dtype is not None:  # W8A8: per-token dynamic scale, round-trip through FP8
             s = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / torch.finfo(self.act_dtype).max
             x = ((x.float() / s).to(self.act_dtype).float() * s).to(self.compute_dtype)
-        w = self.weight_fp8.to(self.compute_dtype) * self.scale.to(self.compute_dtype)[:, None]
-        return F.linear(x, w, self.bias).to(in_dtype)
+        if self._weight is None:
+            self._weight = self.weight_fp8.to(self.compute_dtype) * self.scale.to(self.compute_dtype)[:, None]
+        return F.linear(x, self._weight, self.bias).to(in_dtype)
+
+    def _apply(self, fn, recurse=True):  # .to()/.cuda(): the kept weight is made again on next use
+        self._weight = None
+        return super()._apply(fn, recurse)
 
     def dequantize(self) -> torch.Tensor:
         return self.weight_fp8.float() * self.scale[:, None]
