@@ -219,3 +219,40 @@ def test_per_head_fp8_kv_scales_are_calibrated_and_exported(tmp_path):
     big = torch.full((1, heads, 1, 8), 1e4)
     q, _ = layer._quantize(big, layer.k_scale)
     assert torch.isfinite(q.float()).all() and (q.float() == 448).all()  # saturated, not NaN
+
+
+def test_nvfp4_kv_cache_stores_the_format_and_returns_its_values():
+    """The NVFP4 cache holds packed codes, E4M3 scales per 16 of the head
+    dimension and the prefill's per-tensor scale; what attention reads back is
+    exactly NVFP4's rounding of every token under that scale (later tokens
+    past it saturate), in 9/16 of a byte a value plus the two scales."""
+    from quantlab.schemes import fpquant
+    from quantlab.schemes.kv import NVFP4Layer, cache_bytes, cache_factory
+    from quantlab.schemes.configs import NVFP4KV
+
+    g = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(1, 2, 10, 64, generator=g), torch.randn(1, 2, 10, 64, generator=g)
+    k1, v1 = 3 * torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g)
+    layer = NVFP4Layer()
+    layer.update(k0, v0)
+    keys, _ = layer.update(k1, v1)
+    gs = fpquant.nvfp4_global_scale(k0.abs().amax())
+    want = fpquant.nvfp4_dequantize(*fpquant.nvfp4_quantize(torch.cat([k0, k1], -2), gs))
+    assert torch.equal(keys, want)
+    assert keys.shape == (1, 2, 11, 64)
+    config = models.load(compose_cfg(["model=tiny"]).model, "~/.cache/quantlab")[0].config
+    cache = cache_factory(NVFP4KV())(config=config)
+    for layer_ in cache.layers:
+        layer_.update(k0, v0)
+    n = k0.numel()
+    assert cache_bytes(cache) == len(cache.layers) * 2 * (n // 2 + n // 16 + 4)
+
+
+def test_an_nvfp4_kv_point_runs_emulated(tmp_path):
+    uri = f"sqlite:///{tmp_path}/m.db"
+    cfg = compose_cfg(["model=tiny", "scheme/weights=bf16", "scheme/kv=nvfp4", f"tracking.uri={uri}",
+                       f"tracking.artifact_root={tmp_path}/a", "probe=smoke", "probe.latency.repeats=1",
+                       f"cache_dir={tmp_path}/c"])
+    r = MlflowClient(uri).get_run(run_point(cfg).run_id)
+    assert r.data.tags["quantlab.outcome"] == "finished", r.data.tags.get("quantlab.reason")
+    assert r.data.tags["emulated"] == "true" and r.info.run_name == "bf16+kvnvfp4@cpu"

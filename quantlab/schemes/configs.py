@@ -392,3 +392,14 @@ class FP8KV(KVScheme):
     def calibration_set(self) -> str | None:
         return self.calibration if self.scales.startswith("calibrated") else None
 
+
+@dataclass
+class NVFP4KV(KVScheme):
+    """NVFP4 K/V: E2M1 codes with an E4M3 scale per 16 along the head
+    dimension, set as each token is written, and one fp32 scale per tensor
+    from the prefill (keys and values apart; later values past it saturate)."""
+    HANDLER: ClassVar[str] = "quantlab.schemes.kv"
+    LABEL: ClassVar[str] = "nvfp4 kv"
+
+    def short_name(self) -> str:
+        return "kvnvfp4"

@@ -10,6 +10,10 @@
   per byte; tokens are quantized a whole group at a time, once, and the newest
   ``residual_length`` (up to ``residual_length + group_size - 1``) stay in full
   precision (see :class:`Int4Layer`).
+* ``nvfp4``: E2M1 codes packed two per byte with an E4M3 scale per 16 along
+  the head dimension and a per-tensor fp32 scale from the prefill
+  (:mod:`quantlab.schemes.fpquant`'s NVFP4 rounding); emulated: the
+  attention kernels that read FP4 K/V directly are Blackwell's.
 * ``fp8``: transformers' own ``Fp8QuantizedLayer`` (E4M3, per-tensor scale
   from the prefill), or one scale per tensor from the calibration set
   (``calibrated``: vLLM's ``k_scale`` / ``v_scale``, which an export writes as
@@ -33,7 +37,8 @@ import torch
 from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicCache, DynamicLayer, Fp8QuantizedLayer
 
 from quantlab.schemes.base import KVScheme
-from quantlab.schemes.configs import FP8KV, Int4KV, Int8KV, NoKV
+from quantlab.schemes import fpquant
+from quantlab.schemes.configs import FP8KV, Int4KV, Int8KV, NoKV, NVFP4KV
 from quantlab.hardware import Hardware
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_kv
 
@@ -171,6 +176,35 @@ class Int4Layer(BaseQuantizedLayer):
         return 0 if self._quantized_values is None else self._quantized_values[0].shape[-2]
 
 
+class NVFP4Layer(BaseQuantizedLayer):
+    """NVFP4 K/V ``[B, H, T, D]``: codes packed two per byte ``[B, H, T, D/2]``,
+    E4M3 scales ``[B, H, T, D/16]`` (each token's, as it is written) and the
+    per-tensor fp32 scale from the prefill; appendable, no full-precision copy."""
+
+    def _quantize(self, x: torch.Tensor, global_scale: torch.Tensor):
+        codes, scale, gs = fpquant.nvfp4_quantize(x, global_scale)
+        return fpquant.pack_nibbles(codes), scale.to(torch.float8_e4m3fn), gs
+
+    def _dequantize(self, q):
+        packed, scale, gs = q
+        return fpquant.nvfp4_dequantize(fpquant.unpack_nibbles(packed), scale.float(), gs).to(self.keys.dtype)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.cumulative_length += key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._quantized_keys, self._quantized_values = (
+                self._quantize(x, fpquant.nvfp4_global_scale(x.float().abs().amax()))
+                for x in (key_states, value_states))
+            return key_states, value_states  # the prefill attends its own states, as in every quantized layer
+        pairs = []
+        for stored, new in ((self._quantized_keys, key_states), (self._quantized_values, value_states)):
+            packed, scale, gs = self._quantize(new, stored[2])
+            pairs.append((torch.cat([stored[0], packed], dim=-2), torch.cat([stored[1], scale], dim=-2), gs))
+        self._quantized_keys, self._quantized_values = pairs
+        return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
+
+
 class Fp8CalibratedLayer(Fp8QuantizedLayer):
     """FP8 E4M3 with fixed per-tensor scales (keys and values apart), values
     past ``448 * scale`` saturated (a plain cast would make them NaN)."""
@@ -237,6 +271,8 @@ def cache_factory(cfg: KVScheme, amax: list[tuple[torch.Tensor, torch.Tensor]] |
         return partial(KVCache, lambda i: Int8Layer(cfg.scales == "dynamic"))
     if isinstance(cfg, Int4KV):
         return partial(KVCache, lambda i: Int4Layer(cfg.group_size, cfg.residual_length))
+    if isinstance(cfg, NVFP4KV):
+        return partial(KVCache, lambda i: NVFP4Layer())
     if isinstance(cfg, FP8KV):
         if cfg.scales == "calibrated-head":
             scales = [tuple(fp8_head_scales(a).view(1, -1, 1, 1) for a in kv) for kv in amax]
@@ -304,6 +340,8 @@ def cache_bytes(cache: Cache) -> int:
 
 
 def support(cfg: KVScheme, hw: Hardware) -> Support:
+    if isinstance(cfg, NVFP4KV) and hw.device in ("cpu", "cuda"):
+        return Support("emulated", "NVFP4 K/V stored packed, dequantized on read (no FP4 attention kernel wired)")
     if isinstance(cfg, NoKV) or hw.device in ("cpu", "cuda"):
         return Support("real", "" if isinstance(cfg, NoKV) else "dequantized on read; attention in compute dtype")
     return Support("unsupported", f"quantized KV cache on {hw.device}")
@@ -314,11 +352,12 @@ def apply(model: torch.nn.Module, cfg: KVScheme, ctx: ApplyContext) -> Applied:
     own (already quantized) model."""
     scales = getattr(cfg, "scales", "")
     backend = {NoKV: "transformers.DynamicCache", Int8KV: f"quantlab.Int8Layer({scales})",
-               Int4KV: "quantlab.Int4Layer(KIVI)",
+               Int4KV: "quantlab.Int4Layer(KIVI)", NVFP4KV: "quantlab.NVFP4Layer(dequant)",
                FP8KV: "transformers.Fp8QuantizedLayer" if not scales.startswith("calibrated") else
                f"quantlab.Fp8CalibratedLayer({'per head' if scales == 'calibrated-head' else 'per tensor'})"}[type(cfg)]
     if not scales.startswith("calibrated"):
-        return Applied(backend=backend, emulated=False, cache_factory=cache_factory(cfg), config=cfg)
+        return Applied(backend=backend, emulated=isinstance(cfg, NVFP4KV), cache_factory=cache_factory(cfg),
+                       config=cfg)
     from quantlab import calibration
 
     ids, tags = calibration.batch_or_builtin(cfg.calibration, cfg.short_name(), ctx, cfg.n_samples, cfg.seq_len)
@@ -362,5 +401,5 @@ def vllm(cfg: KVScheme) -> Mapping:
     return Mapping({"kv_cache_dtype": _VLLM_CACHE[type(cfg)], "scales": scales})
 
 
-for _name, _cls in (("none", NoKV), ("int8", Int8KV), ("int4", Int4KV), ("fp8", FP8KV)):
+for _name, _cls in (("none", NoKV), ("int8", Int8KV), ("int4", Int4KV), ("fp8", FP8KV), ("nvfp4", NVFP4KV)):
     register_kv(_name, _cls, support, apply, gguf=gguf, vllm=vllm)
