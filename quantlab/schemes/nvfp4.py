@@ -11,11 +11,10 @@ Emulated in quantlab's engines (:mod:`quantlab.schemes.fplinear`).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from quantlab import calibration
 from quantlab.hardware import Hardware
-from quantlab.schemes import fpgptq, fpquant, layers
+from quantlab.schemes import fpgptq, fpquant, layers, smoothing
 from quantlab.schemes.configs import NVFP4Scheme
 from quantlab.schemes.fplinear import NVFP4Linear, emulated_support, replace_all
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
@@ -27,27 +26,6 @@ def support(cfg: NVFP4Scheme, hw: Hardware) -> Support:
     return emulated_support(hw, "NVFP4", (10, 0))
 
 
-@torch.inference_mode()
-def input_amax(model: nn.Module, names: set[str], ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Largest ``|x|`` entering each Linear of ``names`` over the rows of ``ids``."""
-    amax: dict[str, torch.Tensor] = {n: torch.zeros(()) for n in names}
-    mods = {n: m for n, m in model.named_modules() if n in names}
-
-    def hook(name):
-        def record(_mod, args):
-            amax[name] = torch.maximum(amax[name], args[0].detach().abs().amax().float())
-        return record
-
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in mods.items()]
-    try:
-        for row in ids:
-            model(input_ids=row[None], use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return amax
-
-
 def apply(model: torch.nn.Module, cfg: NVFP4Scheme, ctx: ApplyContext) -> Applied:
     dtype = getattr(torch, cfg.compute_dtype)
     tags: dict[str, str] = {}
@@ -57,7 +35,9 @@ def apply(model: torch.nn.Module, cfg: NVFP4Scheme, ctx: ApplyContext) -> Applie
     names = {n for n, _ in selected}
     if cfg.activations == "nvfp4":
         ids, tags = calibration.batch_or_builtin(cfg.calibration, "nvfp4", ctx, cfg.n_samples, cfg.seq_len)
-        scales = {n: fpquant.nvfp4_global_scale(a) for n, a in input_amax(model, names, ids).items()}
+        amax = smoothing.capture(model, sorted(names), ids,
+                                 lambda rows, top: rows.abs().amax() if top is None else top.max(rows.abs().amax()))
+        scales = {n: fpquant.nvfp4_global_scale(a) for n, a in amax.items()}
     act = "nvfp4" if cfg.activations == "nvfp4" else "none"
     if cfg.gptq:
         tags.update(fpgptq.quantize(model, names, cfg, ctx, "nvfp4-gptq", lambda n, lin, h: fpgptq.nvfp4_layer(
