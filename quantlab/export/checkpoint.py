@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from quantlab.errors import UserError
 from quantlab.export.formats import format_name, groups
 from quantlab.schemes.fplinear import FormatLinear
 from quantlab.schemes.qlinear import QUANTIZED, FP8Linear, dequantized
@@ -84,13 +85,9 @@ def write(model, tok, spec: dict, dense, dest: Path, kv: dict | None = None) -> 
         if not isinstance(mod, QUANTIZED):
             continue
         target = dense.get_submodule(name)
-        if isinstance(mod, FormatLinear):  # the format's own parameters; its compressor packs them
+        if isinstance(mod, (FP8Linear, FormatLinear)):  # float formats: their own parameters, packed by the compressor
             for pname, value in mod.checkpoint_tensors().items():
                 getattr(target, pname).data = value.to(getattr(target, pname).dtype)
-            continue
-        if isinstance(mod, FP8Linear):
-            target.weight.data = mod.dequantize().to(target.weight.dtype)
-            target.weight_scale.data = mod.scale[:, None].to(target.weight_scale.dtype)
             continue
         q, scale, zp = mod.int_weights()
         target.weight.data = dequantized(mod).to(target.weight.dtype)
@@ -128,8 +125,6 @@ def _check_activation_groups(model, spec: dict) -> None:
     reload) cannot split such an input into its groups, and vLLM's block
     kernels refuse the layer. The point itself measures fine (the emulation
     scales a last partial group on its own)."""
-    from quantlab.errors import UserError
-
     for g in groups(spec):
         acts = g.get("input_activations") or {}
         size = acts.get("group_size")

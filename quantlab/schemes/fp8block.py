@@ -16,7 +16,7 @@ import torch
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers
 from quantlab.schemes.configs import FP8BlockScheme
-from quantlab.schemes.fplinear import FP8BlockLinear, emulated_support, replace_all
+from quantlab.schemes.fplinear import FP8BlockLinear, emulated_support, replace_all, selected
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 
@@ -27,8 +27,8 @@ def support(cfg: FP8BlockScheme, hw: Hardware) -> Support:
 def apply(model: torch.nn.Module, cfg: FP8BlockScheme, ctx: ApplyContext) -> Applied:
     dtype = getattr(torch, cfg.compute_dtype)
     act = "fp8-group" if cfg.activations == "dynamic" else "none"
-    replace_all(model, cfg.skip, lambda _n, lin: FP8BlockLinear(lin.weight.float(), lin.bias, dtype, cfg.block, act),
-                0, cfg.short_name())
+    replace_all(model, selected(model, cfg.skip, 0, cfg.short_name()),
+                lambda _n, lin: FP8BlockLinear(lin.weight.float(), lin.bias, dtype, cfg.block, act))
     layers.cast_parameters(model, dtype)
     return Applied(backend=f"quantlab.FP8BlockLinear({cfg.block}x{cfg.block}, dequant)", emulated=True)
 

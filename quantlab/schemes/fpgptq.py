@@ -29,7 +29,7 @@ def nvfp4_layer(lin: torch.nn.Linear, h: torch.Tensor, damp: float, dtype: torch
 
     def rnd(col, p):
         step = p[0] / gs
-        codes = fq.e2m1_codes((col.float() / step).clamp(-fq.E2M1_MAX, fq.E2M1_MAX))
+        codes = fq.e2m1_round(col.float() / step)
         return codes.double(), (fq.e2m1_decode(codes) * step).double()
 
     codes, (scale,) = gptq(w, h, 16, fit, rnd, damp)
@@ -45,9 +45,9 @@ def mx_layer(lin: torch.nn.Linear, h: torch.Tensor, damp: float, dtype: torch.dt
         scale = fq.mx_scale(p[0])
         v = col.float() / scale
         if elem == "fp4":
-            codes = fq.e2m1_codes(v.clamp(-fq.E2M1_MAX, fq.E2M1_MAX))
+            codes = fq.e2m1_round(v)
             return codes.double(), (fq.e2m1_decode(codes) * scale).double()
-        values = (v + 0.0).clamp(-fq.E4M3_MAX, fq.E4M3_MAX).to(torch.float8_e4m3fn).float()
+        values = fq.e4m3(v).float()
         return values.double(), (values * scale).double()
 
     elements, (exponents,) = gptq(lin.weight.float(), h, 32, fit, rnd, damp)

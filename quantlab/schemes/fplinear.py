@@ -23,12 +23,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantlab.schemes import fpquant as fq
+from quantlab.schemes import layers
+from quantlab.schemes.registry import Support
 
 ACTIVATIONS = ("none", "fp8-token", "fp8-group", "mxfp4", "mxfp8", "nvfp4")
 
 
-class FormatLinear(nn.Module):
-    """Base: activation rounding, the emulated product, the cached weight.
+class KeptWeight(nn.Module):
+    """A layer whose float weight is made from its stored codes on first use
+    (:meth:`make_weight`) and kept outside the state dict; moving or casting
+    the layer drops it, to be made again."""
+
+    _kept: torch.Tensor | None = None
+
+    def make_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def kept_weight(self) -> torch.Tensor:
+        if self._kept is None:
+            self._kept = self.make_weight()
+        return self._kept
+
+    def _apply(self, fn, recurse=True):
+        self._kept = None
+        return super()._apply(fn, recurse)
+
+
+class FormatLinear(KeptWeight):
+    """Base: activation rounding, the emulated product, the kept fp32 weight.
     Subclasses store their format and implement :meth:`dequantize` and
     :meth:`checkpoint_tensors`."""
 
@@ -41,7 +63,6 @@ class FormatLinear(nn.Module):
         self.compute_dtype = compute_dtype
         self.activations, self.act_group = activations, act_group
         self.register_buffer("bias", None if bias is None else bias.detach().to(compute_dtype))
-        self._weight: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 ``[N, K]`` weight the stored codes and scales stand for."""
@@ -65,22 +86,21 @@ class FormatLinear(nn.Module):
             return fq.nvfp4_tokens(x, self.input_global_scale)
         return x
 
+    def make_weight(self) -> torch.Tensor:
+        return self.dequantize()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._weight is None:
-            self._weight = self.dequantize()
         shape, dtype = x.shape, x.dtype
         x2 = self.quantize_input(x.reshape(-1, shape[-1]).to(self.compute_dtype).float())
-        y = F.linear(x2, self._weight).to(self.compute_dtype)
+        y = F.linear(x2, self.kept_weight()).to(self.compute_dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(dtype)
 
-    def _apply(self, fn, recurse=True):  # .to()/.cuda(): the cached copy follows on next use
-        self._weight = None
-        return super()._apply(fn, recurse)
-
 
 class NVFP4Linear(FormatLinear):
+    GROUP = 16  # values a scale
+
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, bias, compute_dtype,
                  activations: str = "none", input_global_scale: torch.Tensor | None = None):
         n, k = codes.shape
@@ -112,6 +132,8 @@ class NVFP4Linear(FormatLinear):
 
 
 class MXLinear(FormatLinear):
+    GROUP = 32  # values a scale
+
     def __init__(self, elements: torch.Tensor, exponents: torch.Tensor, bias, compute_dtype, elem: str,
                  activations: str = "none"):
         n, k = elements.shape
@@ -183,8 +205,6 @@ def emulated_support(hw, what: str, native: tuple[int, int]):
     into the torch engine), its reason saying whether the GPU's compute
     capability reaches ``native``, where vLLM's kernels run the export
     (``target=vllm``, not verified here); unsupported elsewhere."""
-    from quantlab.schemes.registry import Support
-
     if hw.device == "cpu":
         return Support("emulated", f"no {what} GEMM on a CPU: the format's codes and scales are stored, "
                                    "dequantized and multiplied in fp32")
@@ -198,14 +218,16 @@ def emulated_support(hw, what: str, native: tuple[int, int]):
     return Support("unsupported", f"{what} on {hw.device}")
 
 
-def replace_all(model: nn.Module, skip: list[str], make, group: int, scheme: str) -> int:
-    """Replace every selected Linear by ``make(linear)`` after checking that
-    ``group`` divides each input width; returns how many were replaced."""
-    from quantlab.schemes import layers
-
+def selected(model: nn.Module, skip: list[str], group: int, scheme: str) -> list[tuple[str, nn.Linear]]:
+    """The Linears a scheme quantizes (:func:`layers.select`), refused in one
+    line where ``group`` (0: none) does not divide an input width."""
     linears = layers.select(model, skip)
     if group:
         layers.check_group_size(linears, group, scheme)
+    return linears
+
+
+def replace_all(model: nn.Module, linears: list[tuple[str, nn.Linear]], make) -> None:
+    """Replace each ``(name, linear)`` by ``make(name, linear)``."""
     for name, lin in linears:
         layers.replace(model, name, make(name, lin))
-    return len(linears)

@@ -67,9 +67,9 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8).bool(), -mag, mag)
 
 
-def cast_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded onto E2M1 (fp32 values)."""
-    return e2m1_decode(e2m1_codes(x))
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """Codes of ``x`` (already divided by its scale) saturated at +-6 and rounded onto E2M1."""
+    return e2m1_codes(x.clamp(-E2M1_MAX, E2M1_MAX))
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -88,9 +88,16 @@ def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.float().unflatten(-1, (x.shape[-1] // group, group))
 
 
-def e4m3_round(x: torch.Tensor) -> torch.Tensor:
-    """``x`` clamped to +-448 and rounded to E4M3 (fp32 values)."""
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (already divided by its scale) saturated at +-448 and rounded to E4M3
+    (``float8_e4m3fn``); -0.0 becomes +0 (see the module doc)."""
+    return (x + 0.0).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _symmetric_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """``amax / top``, a zero replaced by fp32's eps (the reference's guard)."""
+    scale = amax / top
+    return torch.where(scale == 0, torch.tensor(_FP32_EPS), scale)
 
 
 # --- NVFP4 -----------------------------------------------------------------
@@ -104,7 +111,7 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
 def nvfp4_scales(x: torch.Tensor, global_scale: torch.Tensor, group: int = 16) -> torch.Tensor:
     """Per-group E4M3 scales (fp32 values) ``[..., K/group]``, global scale folded in."""
     amax = _grouped(x, group).abs().amax(-1)
-    scale = e4m3_round(global_scale * (amax / E2M1_MAX))
+    scale = e4m3(global_scale * (amax / E2M1_MAX)).float()
     return torch.where(scale == 0, torch.tensor(_FP8_EPS), scale)
 
 
@@ -115,7 +122,7 @@ def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor | None = None, gr
         global_scale = nvfp4_global_scale(x.float().abs().amax())
     scale = nvfp4_scales(x, global_scale, group)
     g = _grouped(x, group) / (scale / global_scale)[..., None]
-    return e2m1_codes(g.clamp(-E2M1_MAX, E2M1_MAX)).flatten(-2), scale, global_scale
+    return e2m1_round(g).flatten(-2), scale, global_scale
 
 
 def nvfp4_dequantize(codes: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -144,9 +151,7 @@ def mx_quantize(x: torch.Tensor, elem: str, group: int = 32):
     (``float8_e4m3fn``) ``[..., K]`` and E8M0 exponents ``[..., K/group]``."""
     e = mx_exponents(x, elem, group)
     g = _grouped(x, group) / mx_scale(e)[..., None]
-    if elem == "fp4":
-        return e2m1_codes(g.clamp(-E2M1_MAX, E2M1_MAX)).flatten(-2), e
-    return (g + 0.0).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).flatten(-2), e
+    return (e2m1_round(g) if elem == "fp4" else e4m3(g)).flatten(-2), e
 
 
 def mx_dequantize(elements: torch.Tensor, exponents: torch.Tensor, group: int = 32) -> torch.Tensor:
@@ -172,10 +177,8 @@ def _unblock(b: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)):
     """``(float8_e4m3fn [N, K], scale fp32 [ceil(N/bh), ceil(K/bw)])``."""
     b = _blocks(w, block)
-    scale = b.abs().amax((-1, -2)) / E4M3_MAX
-    scale = torch.where(scale == 0, torch.tensor(_FP32_EPS), scale)
-    q = (b / scale[..., None, None] + 0.0).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return _unblock(q, tuple(w.shape)), scale
+    scale = _symmetric_scale(b.abs().amax((-1, -2)), E4M3_MAX)
+    return _unblock(e4m3(b / scale[..., None, None]), tuple(w.shape)), scale
 
 
 def fp8_block_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
@@ -189,8 +192,7 @@ def int4_sym_quantize(w: torch.Tensor, group: int):
     """compressed-tensors' symmetric INT4 groups: ``scale = amax / 7.5``,
     ``q = round(w / scale)`` (ties to even) in -8..7. Returns ``(q int8, scale fp32)``."""
     g = _grouped(w, group)
-    scale = g.abs().amax(-1) / 7.5
-    scale = torch.where(scale == 0, torch.tensor(_FP32_EPS), scale)
+    scale = _symmetric_scale(g.abs().amax(-1), 7.5)
     q = torch.round(g / scale[..., None] + 0.0).clamp(-8, 7)
     return q.flatten(-2).to(torch.int8), scale
 
@@ -210,9 +212,8 @@ def fp8_tokens(x: torch.Tensor, group: int = 0) -> torch.Tensor:
         g = torch.nn.functional.pad(xf, (0, pad)).unflatten(-1, (-1, group))
     else:
         g = xf.unsqueeze(-2)
-    s = g.abs().amax(-1, keepdim=True) / E4M3_MAX
-    s = torch.where(s == 0, torch.tensor(_FP32_EPS), s)
-    out = (g / s + 0.0).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
+    s = _symmetric_scale(g.abs().amax(-1, keepdim=True), E4M3_MAX)
+    out = e4m3(g / s).float() * s
     return out.flatten(-2)[..., : xf.shape[-1]]
 
 

@@ -48,7 +48,8 @@ _FORMAT_LAYERS = {
     "mxfp8-a16": lambda w, b, dtype: MXLinear.quantize(w, b, dtype, "fp8"),
     "fp8-block-a16": lambda w, b, dtype: FP8BlockLinear(w, b, dtype, 128),
 }
-_FORMAT_GROUP = {"nvfp4-a16": 16, "mxfp4-a16": 32, "mxfp8-a16": 32, "fp8-block-a16": 1}
+_FORMAT_GROUP = {"nvfp4-a16": NVFP4Linear.GROUP, "mxfp4-a16": MXLinear.GROUP, "mxfp8-a16": MXLinear.GROUP,
+                 "fp8-block-a16": 1}
 
 
 def readback(candidate: str):

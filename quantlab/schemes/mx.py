@@ -13,10 +13,10 @@ import torch
 from quantlab.hardware import Hardware
 from quantlab.schemes import fpgptq, layers
 from quantlab.schemes.configs import MXScheme
-from quantlab.schemes.fplinear import MXLinear, emulated_support, replace_all
+from quantlab.schemes.fplinear import MXLinear, emulated_support, replace_all, selected
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
-GROUP = 32
+GROUP = MXLinear.GROUP
 
 
 def support(cfg: MXScheme, hw: Hardware) -> Support:
@@ -27,14 +27,13 @@ def apply(model: torch.nn.Module, cfg: MXScheme, ctx: ApplyContext) -> Applied:
     dtype = getattr(torch, cfg.compute_dtype)
     act = f"mx{cfg.elem}" if cfg.activations == "mx" else "none"
     tags: dict[str, str] = {}
+    linears = selected(model, cfg.skip, GROUP, cfg.short_name())
     if cfg.gptq:
-        selected = layers.select(model, cfg.skip)
-        layers.check_group_size(selected, GROUP, cfg.short_name())
-        tags = fpgptq.quantize(model, {n for n, _ in selected}, cfg, ctx, f"{cfg.short_name()}",
+        tags = fpgptq.quantize(model, {n for n, _ in linears}, cfg, ctx, cfg.short_name(),
                                lambda _n, lin, h: fpgptq.mx_layer(lin, h, cfg.damp, dtype, cfg.elem, act))
     else:
-        replace_all(model, cfg.skip, lambda _n, lin: MXLinear.quantize(lin.weight.float(), lin.bias, dtype, cfg.elem,
-                                                                       act), GROUP, cfg.short_name())
+        replace_all(model, linears, lambda _n, lin: MXLinear.quantize(lin.weight.float(), lin.bias, dtype, cfg.elem,
+                                                                      act))
     layers.cast_parameters(model, dtype)
     return Applied(backend=f"quantlab.MXLinear({cfg.short_name()}, dequant)", emulated=True, tags=tags)
 

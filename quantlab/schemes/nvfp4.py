@@ -16,10 +16,10 @@ from quantlab import calibration
 from quantlab.hardware import Hardware
 from quantlab.schemes import fpgptq, fpquant, layers, smoothing
 from quantlab.schemes.configs import NVFP4Scheme
-from quantlab.schemes.fplinear import NVFP4Linear, emulated_support, replace_all
+from quantlab.schemes.fplinear import NVFP4Linear, emulated_support, replace_all, selected
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
-GROUP = 16
+GROUP = NVFP4Linear.GROUP
 
 
 def support(cfg: NVFP4Scheme, hw: Hardware) -> Support:
@@ -30,9 +30,8 @@ def apply(model: torch.nn.Module, cfg: NVFP4Scheme, ctx: ApplyContext) -> Applie
     dtype = getattr(torch, cfg.compute_dtype)
     tags: dict[str, str] = {}
     scales: dict[str, torch.Tensor] = {}
-    selected = layers.select(model, cfg.skip)
-    layers.check_group_size(selected, GROUP, cfg.short_name())
-    names = {n for n, _ in selected}
+    linears = selected(model, cfg.skip, GROUP, cfg.short_name())
+    names = {n for n, _ in linears}
     if cfg.activations == "nvfp4":
         ids, tags = calibration.batch_or_builtin(cfg.calibration, "nvfp4", ctx, cfg.n_samples, cfg.seq_len)
         amax = smoothing.capture(model, sorted(names), ids,
@@ -43,8 +42,8 @@ def apply(model: torch.nn.Module, cfg: NVFP4Scheme, ctx: ApplyContext) -> Applie
         tags.update(fpgptq.quantize(model, names, cfg, ctx, "nvfp4-gptq", lambda n, lin, h: fpgptq.nvfp4_layer(
             lin, h, cfg.damp, dtype, act, scales.get(n))))
     else:
-        replace_all(model, cfg.skip, lambda n, lin: NVFP4Linear.quantize(lin.weight.float(), lin.bias, dtype, act,
-                                                                         scales.get(n)), GROUP, cfg.short_name())
+        replace_all(model, linears, lambda n, lin: NVFP4Linear.quantize(lin.weight.float(), lin.bias, dtype, act,
+                                                                        scales.get(n)))
     layers.cast_parameters(model, dtype)
     return Applied(backend=f"quantlab.NVFP4Linear({'gptq' if cfg.gptq else 'rtn'}, dequant)", emulated=True,
                    tags=tags)

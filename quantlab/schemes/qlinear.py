@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantlab import hardware
-from quantlab.schemes.fplinear import FormatLinear
+from quantlab.schemes.fplinear import FormatLinear, KeptWeight
 
 
 def rtn_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,7 +299,7 @@ def _int4pack_block(k: int) -> int:
     raise ValueError(f"tinygemm CPU packing at K={k}: no repeating row block of 16-128 rows found")
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(KeptWeight):
     """FP8 weight storage, per-output-channel scale; emulated GEMM (see module doc)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fp8_dtype: torch.dtype,
@@ -313,23 +313,23 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_fp8", (w / scale[:, None]).to(fp8_dtype))
         self.register_buffer("scale", scale)  # [N] fp32
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
-        self._weight: torch.Tensor | None = None  # the dequantized weight, made on first use
+
+    def make_weight(self) -> torch.Tensor:
+        return self.weight_fp8.to(self.compute_dtype) * self.scale.to(self.compute_dtype)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype, x = x.dtype, x.to(self.compute_dtype)
         if self.act_dtype is not None:  # W8A8: per-token dynamic scale, round-trip through FP8
             s = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / torch.finfo(self.act_dtype).max
             x = ((x.float() / s).to(self.act_dtype).float() * s).to(self.compute_dtype)
-        if self._weight is None:
-            self._weight = self.weight_fp8.to(self.compute_dtype) * self.scale.to(self.compute_dtype)[:, None]
-        return F.linear(x, self._weight, self.bias).to(in_dtype)
-
-    def _apply(self, fn, recurse=True):  # .to()/.cuda(): the kept weight is made again on next use
-        self._weight = None
-        return super()._apply(fn, recurse)
+        return F.linear(x, self.kept_weight(), self.bias).to(in_dtype)
 
     def dequantize(self) -> torch.Tensor:
         return self.weight_fp8.float() * self.scale[:, None]
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """compressed-tensors' uncompressed ``weight`` and per-channel ``weight_scale``."""
+        return {"weight": self.dequantize(), "weight_scale": self.scale[:, None]}
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,7 +11,7 @@ import torch
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers
 from quantlab.schemes.configs import W4A8Scheme
-from quantlab.schemes.fplinear import W4A8Linear, emulated_support, replace_all
+from quantlab.schemes.fplinear import W4A8Linear, emulated_support, replace_all, selected
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
 
 
@@ -21,8 +21,8 @@ def support(cfg: W4A8Scheme, hw: Hardware) -> Support:
 
 def apply(model: torch.nn.Module, cfg: W4A8Scheme, ctx: ApplyContext) -> Applied:
     dtype = getattr(torch, cfg.compute_dtype)
-    replace_all(model, cfg.skip, lambda _n, lin: W4A8Linear(lin.weight.float(), lin.bias, dtype, cfg.group_size),
-                cfg.group_size, cfg.short_name())
+    replace_all(model, selected(model, cfg.skip, cfg.group_size, cfg.short_name()),
+                lambda _n, lin: W4A8Linear(lin.weight.float(), lin.bias, dtype, cfg.group_size))
     layers.cast_parameters(model, dtype)
     return Applied(backend="quantlab.W4A8Linear(dequant)", emulated=True)
 
