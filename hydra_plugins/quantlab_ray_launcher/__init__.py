@@ -13,6 +13,8 @@ ends, the parent run closes, and the sweep exits 1 like any sweep with a
 failed point. Ray does not retry a point (``max_retries: 0`` in the preset:
 a retry would time it on another node, beside a half-logged first try);
 rerunning the same command redoes the lost point and reuses the rest.
+``address: null`` starts a Ray instance of the sweep's own (Ray's own
+``None`` would join any cluster another process on this machine runs).
 
 Hydra instantiates launchers only from the ``hydra_plugins`` package and
 imports every module there at start-up: this one defines its class only where
@@ -58,8 +60,9 @@ if importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is not None:
             setup_globals()
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
             Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-            if self.ray_cfg.init.get("address") is None:  # a local instance: the plugin's small object store
-                with open_dict(self.ray_cfg):
+            if self.ray_cfg.init.get("address") is None:  # a local instance of its own: the plugin's small
+                with open_dict(self.ray_cfg):  # object store; "local", or Ray attaches to whatever cluster
+                    self.ray_cfg.init.address = "local"  # this machine last started (/tmp/ray/ray_current_cluster)
                     self.ray_cfg.init.setdefault("object_store_memory", 78643200)
             start_ray(self.ray_cfg.init)
             tasks = []
