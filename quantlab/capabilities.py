@@ -15,14 +15,18 @@ from quantlab.compose import register_configs
 
 
 def _objects(group: str) -> dict[str, object]:
+    """Every preset of ``group`` as its typed config. A scheme preset is
+    composed alone (it reads nothing outside itself: half the time of a whole
+    run config, which a target needs for ``${cache_dir}``)."""
     register_configs()
     out = {}
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for name in presets(group):
-            cfg = compose("config", overrides=[f"{group}={name}", "model=tiny"])
-            node = OmegaConf.to_object(cfg)
-            out[name] = node.scheme.weights if group == "scheme/weights" else (
-                node.scheme.kv if group == "scheme/kv" else node.target)
+            if group == "target":
+                out[name] = OmegaConf.to_object(compose("config", overrides=[f"target={name}", "model=tiny"])).target
+            else:
+                node = compose(f"{group}/{name}")
+                out[name] = OmegaConf.to_object(OmegaConf.select(node, group.replace("/", ".")))
     return out
 
 
