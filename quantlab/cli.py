@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from quantlab.compose import plugin_presets, register_configs
 from quantlab import point, tracking_server
-from quantlab.config import MODEL_PATH_HINT, RunConfig, validate
+from quantlab.config import MODEL_PATH_HINT, RunConfig, check_this_machine, validate
 from quantlab.errors import UserError
 from quantlab.resources import data_dir
 
@@ -115,7 +115,9 @@ def _one_line(e: BaseException) -> str:
 def preflight(argv: list[str]) -> RunConfig:
     """Compose and check the first point of the command line before Hydra
     starts anything, so a bad value (``seed=abc``, ``probe.latency.new_tokens=-5``)
-    fails in one line with exit 2, not after a sweep's parent run is made.
+    fails in one line with exit 2, not after a sweep's parent run is made;
+    this machine's data directory and memory too, where the points run here
+    (:func:`quantlab.config.check_this_machine`).
     Returns the first point's typed config (its tracking settings start or
     check the store before anything else)."""
     from hydra import compose, initialize_config_dir
@@ -132,6 +134,11 @@ def preflight(argv: list[str]) -> RunConfig:
         raise UserError(f"invalid config: {_one_line(e)}") from None
     point = to_point(cfg)
     check_launcher(argv, point.tracking.uri)
+    if not {"hydra/launcher=ray", "hydra/launcher=slurm"} & {a.lstrip("+~") for a in argv}:  # else each node its own
+        try:
+            check_this_machine(point)
+        except ValueError as e:
+            raise UserError(f"invalid config: {e}") from None
     return point
 
 

@@ -14,9 +14,11 @@ is checked one way: a field declares its valid values in its ``metadata``
 (``choices``, ``min``, ``max``, ``above``, ``rule``), a ``check(path)``
 method holds the rules across fields, and :func:`validate` runs both;
 :func:`check_choice` is the same refusal for code given a raw value.
-This module imports nothing else of quantlab but the table of named shapes
-(:mod:`quantlab.shapes`, plain data): Hydra's ConfigStore and the dict round
-trip, which need every scheme and target, are :mod:`quantlab.compose`.
+This module imports nothing else of quantlab but light ones: the table of
+named shapes (:mod:`quantlab.shapes`), what model files say from their
+headers (:mod:`quantlab.model_files`) and what metric names mean
+(:mod:`quantlab.metric_names`). Hydra's ConfigStore and the dict round trip,
+which need every scheme and target, are :mod:`quantlab.compose`.
 """
 from __future__ import annotations
 
@@ -25,11 +27,14 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
+import psutil
 from omegaconf import MISSING
 
+from quantlab import metric_names, model_files
 from quantlab.shapes import SHAPES
 
 
@@ -87,6 +92,7 @@ class ModelConfig:
     def check(self, path: str) -> None:
         if self.source in ("hf", "gguf"):
             _validate_model_path(self)
+            model_files.check_readable(self)
 
 
 @dataclass
@@ -428,6 +434,11 @@ class DecisionConfig:
     def check(self, path: str) -> None:
         if not self.alpha < 1:
             raise ValueError(f"{path}alpha={self.alpha}: an error rate, below 1")
+        if not self.budgets:
+            raise ValueError(f"{path}budgets=[]: at least one budget (relative losses, e.g. [0.01,0.05])")
+        if not self.metric.startswith(metric_names.KL) and any(b >= 1 for b in self.budgets):
+            raise ValueError(f"{path}budgets={self.budgets}: relative losses, each in (0, 1) (a KL metric's "
+                             f"budgets are KL values)")
 
 
 @dataclass
@@ -451,20 +462,89 @@ class RunConfig:
 
     def check(self, path: str) -> None:
         """Across nodes, after each node's own ranges (a context below its
-        minimum says that first)."""
+        minimum says that first): what the probes ask of the model and the
+        target, the declared decision metric."""
         if self.model.source == "shape" and (on := accuracy_probes(self.probe)):
             raise ValueError(f"model.source=shape has random weights: {', '.join(on)} would measure nothing; use "
                              f"probe=latency (or set probe.<name>.enabled=false)")
         need, asked = probe_context(self.probe)
-        if self.model.source == "shape":
-            sh = self.model.shape
-            limit = sh.max_position_embeddings or SHAPES[sh.name].max_position_embeddings
-            if need > limit:
-                raise ValueError(f"{asked} needs {need} tokens of context; model.shape.name={sh.name} holds "
-                                 f"{limit} (its max_position_embeddings): shorten the probe or pick a longer shape")
+        if (limit := model_files.context_length(self.model)) is not None and need > limit:
+            kind = "shape" if self.model.source == "shape" else "model"
+            raise ValueError(f"{asked} needs {need} tokens of context; {_named(self.model)} holds {limit} (its "
+                             f"max_position_embeddings): shorten the probe or pick a longer {kind}")
         if (name := getattr(self.target, "CONTEXT_FIELD", None)) and need > (ctx := getattr(self.target, name)):
             raise ValueError(f"{asked} needs {need} tokens of context; target.{name}={ctx} holds fewer: "
                              f"raise target.{name} or shorten the probe")
+        _check_decision_metric(self.decision.metric, self.probe)
+
+
+def check_this_machine(cfg: RunConfig) -> None:
+    """What a launch checks of the machine its points run on (not part of
+    :func:`validate`: a point on another node checks its own node when it
+    starts): the data directory exists (one that does not is a typo, not
+    "run without data"), and the weights, at the precision they load in
+    (float32; a shape's bfloat16) or the point's own where wider, fit the
+    memory available now: a floor on what the point needs (activations, the
+    reference model and the engine's copies come on top). ``ValueError`` in
+    one line with the numbers."""
+    if cfg.data_dir is not None and not Path(cfg.data_dir).expanduser().is_dir():
+        raise ValueError(f"data_dir={cfg.data_dir} (QUANTLAB_DATA_DIR): no such directory; unset it to run "
+                         f"without the benchmark data (the probes that read it are skipped)")
+    params = model_files.parameters(cfg.model)
+    if not params:
+        return
+    width = max(2 if cfg.model.source == "shape" else 4, cfg.scheme.weights.float_bytes())
+    need, have = params * width, psutil.virtual_memory().available
+    if need > have:
+        raise ValueError(f"{_named(cfg.model)}: its {params / 1e9:.2f} B weights take {need / 1e9:.1f} GB at "
+                         f"{width * 8}-bit, more than the {have / 1e9:.1f} GB of memory available here: pick a "
+                         f"smaller model (or a 16-bit scheme for a shape)")
+
+
+def _named(model: ModelConfig) -> str:
+    """The setting that names ``model``, as a message quotes it."""
+    if model.source == "shape":
+        return f"model.shape.name={model.shape.name}"
+    return f"model.path={model.path}" if model.source in ("hf", "gguf") else f"model={model.name}"
+
+
+def decision_metrics(p: ProbeConfig) -> list[tuple[str, str]]:
+    """``(pattern, as a message names it)`` of every metric the enabled
+    built-in probes log that a decision can bound (perplexity's sampled
+    windows and lm-eval's metric kinds per task as patterns)."""
+    found = []
+    if p.fidelity.enabled:
+        found += [(re.escape(m), m) for m in metric_names.FIDELITY]
+    if p.perplexity.enabled:
+        stem = f"{metric_names.TOKEN_ITEMS[0]}{p.perplexity.window}"
+        found.append((re.escape(stem) + r"(_(rand|first)\d+)?", f"{stem}[_rand<n>]"))
+    if p.accuracy.enabled:
+        kinds = "|".join(re.escape(k) for k in (*metric_names.HIGHER_IS_BETTER, *metric_names.LOWER_IS_BETTER)
+                         if k.endswith("/"))
+        found += [(f"({kinds}){re.escape(t)}(_\\w+)?", f"acc/{t} (acc_norm/, exact_match/...)")
+                  for t in p.accuracy.tasks]
+    if p.cache.enabled:
+        found += [(re.escape(m), m) for m in metric_names.CACHE]
+    if p.passkey.enabled:
+        found.append((re.escape(metric_names.PASSKEY), metric_names.PASSKEY))
+    return found
+
+
+def _check_decision_metric(metric: str, p: ProbeConfig) -> None:
+    """A declared ``decision.metric`` is ``auto`` or one the enabled probes
+    will log (``recovery/`` before it names the same metric). A name outside
+    the built-in probes' namespaces passes where another package registers
+    probes (their metrics are theirs to name)."""
+    name = metric.removeprefix("recovery/")
+    known = decision_metrics(p)
+    if name == "auto" or any(re.fullmatch(pattern, name) for pattern, _ in known):
+        return
+    ours = name.startswith((*metric_names.HIGHER_IS_BETTER, *metric_names.LOWER_IS_BETTER, "fid/", "kvfid/",
+                            "parity/", "lat/", "load/", "size/", "mem/", "kvpos/", "passkey/"))
+    if not ours and any(ep.dist is None or ep.dist.name != "quantlab" for ep in entry_points(group="quantlab.probes")):
+        return
+    valid = ", ".join(["auto", *(shown for _, shown in known)])
+    raise ValueError(f"decision.metric={metric}: no enabled probe logs it; valid here: {valid}")
 
 
 MODEL_PATH_HINT = "model=hf and model=gguf need model.path=<hub id, local directory or .gguf file>"
@@ -577,6 +657,8 @@ def probe_context(p: ProbeConfig) -> tuple[int, str]:
                      "probe.cache (prefix_tokens + continuation_tokens)"))
     if p.load.enabled:
         asks.append((p.load.prompt_tokens + p.load.new_tokens, "probe.load (prompt_tokens + new_tokens)"))
+    if p.kv_position.enabled:
+        asks.append((p.kv_position.length, f"probe.kv_position.length={p.kv_position.length}"))
     if p.passkey.enabled:  # the key's tokens follow the prompt
         asks.append((max(p.passkey.lengths) + p.passkey.digits, f"probe.passkey.lengths (longest "
                                                                  f"{max(p.passkey.lengths)}) + digits"))

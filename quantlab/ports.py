@@ -1,7 +1,8 @@
 """Whether a server could listen on a local port now, and if not, why:
 checked before quantlab starts one (a tracking server, a vLLM server), so a
 port another process holds is one line naming that process, not a server
-that starts, fails to bind and exits."""
+that starts, fails to bind and exits; and whether one answers at a host and
+port (a database a store names)."""
 from __future__ import annotations
 
 import contextlib
@@ -37,3 +38,13 @@ def _listener(port: int) -> str:
                 p = psutil.Process(c.pid)
                 return f"pid {c.pid} ({' '.join(p.cmdline())[:120] or p.name()})"
     return "another process"
+
+
+def connect_error(host: str, port: int, timeout_s: float) -> str:
+    """'' when something accepts a TCP connection at ``host:port`` within
+    ``timeout_s``, else why not (the socket error's words)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return ""

@@ -586,6 +586,26 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
     return body
 
 
+def point_report(tracker: tracking.Tracker, run_id: str, out_dir: Path | None = None,
+                 log_to_run: bool = True) -> str:
+    """The report of a point run alone (``quantlab run`` without ``-m``): its
+    row of the table and where its time went; no loss and no pick, since
+    nothing was measured beside it. ``report.md`` in ``out_dir`` and, with
+    ``log_to_run``, on the run."""
+    run = tracker.get(run_id)
+    times = time_table([run])
+    body = (f"# Point {run.info.run_name} ({run_id})\n\n"
+            "A point run alone: no other point to compare it with, so no loss and no pick. A sweep decides: "
+            "`quantlab run -m scheme/weights=bf16,int8,...` or `quantlab run +sweep=NAME`.\n\n"
+            f"{table([run])}\n\n" + (times + "\n\n" if times else ""))
+    out = Path(out_dir or tempfile.mkdtemp(prefix="quantlab-report-"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(body)
+    if log_to_run:
+        tracker.run(run_id).log_files(out / "report.md")
+    return body + f"Files: report.md in {out}" + (f", and as an artifact of the run {run_id}." if log_to_run else ".")
+
+
 def _declaration_text(said) -> str:
     metric, budgets, alpha = said
     return f"metric {metric}, budgets {', '.join(f'{b:g}' for b in budgets)}, alpha {alpha:g}"
@@ -613,7 +633,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m quantlab.report")
     ap.add_argument("--tracking-uri", default=default_tracking_uri(),
                     help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db)")
     ap.add_argument("--experiment", default="quantlab")
-    ap.add_argument("--sweep", default="latest", help="latest, a sweep name, or a parent run id")
+    ap.add_argument("--sweep", default="latest", help="latest (the newest sweep, or point run alone), a sweep "
+                    "name, a parent run id, or the run id of a point run alone")
     ap.add_argument("--metric", default=None, help="decision metric (auto, fid/kl_mean, recovery/acc/...); "
                     "default: the one the sweep declared (decision.metric); another is reported as post hoc")
     ap.add_argument("--budgets", type=_budget_list, default=None,
@@ -631,10 +652,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m quantlab.report")
     try:
         tracker = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
                                                   artifact_root=None))
-        parent = tracker.find_sweep(args.sweep)
+        is_sweep, run_id = tracker.find_report(args.sweep)
+        out = Path(args.out) if args.out else None
         # build() checks the objective before it writes anything
-        print(build(tracker, parent, args.metric, args.budgets, Path(args.out) if args.out else None,
-                    not args.no_log, args.objective, args.alpha))
+        print(build(tracker, run_id, args.metric, args.budgets, out, not args.no_log, args.objective, args.alpha)
+              if is_sweep else point_report(tracker, run_id, out, not args.no_log))
     except UserError as e:
         print(f"quantlab.report: {e}", file=sys.stderr)
         return 2

@@ -34,8 +34,8 @@ from quantlab import tracking_server
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
 from quantlab.point import (CREATE_KEY_TAG, HASH_TAG, HOST_ID_TAG, HOST_TAG, OUTCOME_TAG, PARENT_TAG, PID_START_TAG,
-                            PID_TAG, REASON_TAG, REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SWEEP_TAG, find_sweep,
-                            recommended_point_tag)
+                            PID_TAG, REASON_TAG, REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SWEEP_TAG, find_report,
+                            find_sweep, recommended_point_tag)
 
 log = logging.getLogger("quantlab")
 T = TypeVar("T")
@@ -320,6 +320,24 @@ class Tracker:
         """Every sweep's parent run id and tags, newest first."""
         runs = self._search(f"tags.`{ROLE_TAG}` = '{ROLE_SWEEP}'", newest_first=True, max_results=1000)
         return [(r.info.run_id, dict(r.data.tags)) for r in runs]
+
+    @retry
+    def top_level(self) -> list[tuple[str, dict[str, str]]]:
+        """The runs under no parent and their tags, newest first: every sweep
+        parent, and the points run alone among the newest 1,000 runs."""
+        recent = self._search("", newest_first=True, max_results=1000)
+        alone = [r for r in recent if PARENT_TAG not in r.data.tags and r.data.tags.get(ROLE_TAG) != ROLE_SWEEP]
+        sweeps = self._search(f"tags.`{ROLE_TAG}` = '{ROLE_SWEEP}'", newest_first=True, max_results=1000)
+        both = sorted([*alone, *sweeps], key=lambda r: r.info.start_time, reverse=True)
+        return [(r.info.run_id, dict(r.data.tags)) for r in both]
+
+    def find_report(self, sweep: str) -> tuple[bool, str]:
+        """What a report of ``sweep`` reads (:func:`quantlab.point.find_report`);
+        UserError in one line when nothing matches."""
+        try:
+            return find_report(self.top_level(), sweep)
+        except LookupError as e:
+            raise UserError(str(e)) from None
 
     def find_sweep(self, sweep: str) -> str:
         """The parent run id of ``sweep`` (latest, a sweep name, or a parent run

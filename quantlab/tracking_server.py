@@ -57,6 +57,40 @@ def unreachable(uri: str, timeout_s: float = 2.0) -> str:
     return ""
 
 
+def store_unusable(uri: str, timeout_s: float = 2.0) -> str:
+    """'' when a file or database store at ``uri`` can be used, else why not,
+    before anything heavy is imported: a SQLite file's directory exists or is
+    made now (as the first point would make it; nothing else is written); a
+    database's host and port answer a TCP connect within ``timeout_s``
+    (MLflow itself retries for minutes). Servers (``http``) are
+    :func:`unreachable`'s."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    if scheme == "sqlite":
+        folder = Path(uri[len("sqlite:///"):]).expanduser().absolute().parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return f"cannot create {folder}: {e.strerror}"
+        return ""
+    if not scheme or scheme.split("+")[0] in ("file", "http", "https", "databricks", "databricks-uc", "uc",
+                                              "mlflow-artifacts"):
+        return ""
+    from sqlalchemy.engine import make_url
+
+    try:
+        url = make_url(uri)
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy's parse errors vary by version: one line
+        return f"not a database URI ({type(e).__name__})"
+    if not url.host:  # a local socket, or SQLite-like: the driver decides
+        return ""
+    port = url.port or {"postgresql": 5432, "mysql": 3306, "mssql": 1433}.get(url.get_backend_name())
+    if port is None:
+        return ""
+    if why := ports.connect_error(url.host, port, timeout_s):
+        return f"the database does not answer at {url.host}:{port} ({why}); start it or fix the URI"
+    return ""
+
+
 def refused(uri: str, why: str, waited_s: float = 0.0) -> UserError:
     """The one line for a tracking server that does not answer (after
     ``waited_s`` of waiting, or at once)."""
@@ -85,6 +119,9 @@ def ensure(cfg: TrackingConfig, timeout_s: float = 120.0) -> Iterator[subprocess
     stays silent at start, when its port is held by another process, or when
     a server quantlab does not start (``tracking.serve=null``, another host)
     does not answer."""
+    for uri, what in ((cfg.uri, "tracking store"), (cfg.serve_backend, "tracking.serve_backend")):
+        if uri and (why := store_unusable(uri)):
+            raise UserError(f"{what} {shown_uri(uri)} unusable: {why}")
     u = urlparse(cfg.uri)
     if not cfg.serve or u.scheme != "http" or u.hostname not in LOCAL_HOSTS:
         if u.scheme in ("http", "https") and (why := unreachable(cfg.uri)):

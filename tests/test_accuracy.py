@@ -177,7 +177,8 @@ def test_missing_data_dir_skips_accuracy_but_logs_the_rest(tmp_path):
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/m.db"
-    proc = run_cli(["model=tiny", "probe=quick", "probe.fidelity.corpus=builtin", f"data_dir={tmp_path}/nowhere",
+    (tmp_path / "empty").mkdir()  # a data directory without the benchmark files (one that does not exist: refused)
+    proc = run_cli(["model=tiny", "probe=quick", "probe.fidelity.corpus=builtin", f"data_dir={tmp_path}/empty",
                     "probe.latency.repeats=1", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     c = MlflowClient(uri)

@@ -20,7 +20,8 @@ PKG = Path(__file__).resolve().parent.parent / "quantlab"
 # import its own layer and the ones below; the most specific prefix decides.
 LAYERS = [
     ("base", ["errors", "digest", "point", "divergence", "decode", "stats", "uncertainty", "sequential", "pareto", "measurement",
-              "hardware", "contention", "decision", "config", "corpus", "ports", "resources", "plugins", "shapes"]),
+              "hardware", "contention", "decision", "config", "corpus", "ports", "resources", "plugins", "shapes",
+              "model_files", "metric_names"]),
     ("data", ["models", "calibration", "tracking", "tracking_server", "plots"]),
     ("schemes", ["schemes"]),
     ("serving", ["serving"]),

@@ -115,10 +115,18 @@ def test_one_switch_makes_both_adaptive_probes_adaptive_and_round_trips():
 
 def test_every_preset_passes_validation(tmp_path):
     """model.path is checked at compose time: the hf and gguf presets get a
-    directory and a file that exist."""
+    directory and a file that exist (the directory with what makes it a model's)."""
     from quantlab.config import validate
 
-    (tmp_path / "x.gguf").touch()
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "x.gguf"), "llama")  # a header: what makes a file a GGUF at compose time
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").touch()
     extra = {"model": {"hf": [f"model.path={tmp_path}"], "gguf": [f"model.path={tmp_path / 'x.gguf'}"],
                        "shape": ["probe=latency"]}}  # random weights: accuracy probes are refused
     for group, preset in CASES:

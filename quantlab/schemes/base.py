@@ -38,6 +38,11 @@ class _Scheme:
 class WeightScheme(_Scheme):
     """Base of all weight-scheme configs. Subclasses add their knobs as fields."""
 
+    def float_bytes(self) -> int:
+        """Bytes per weight of the widest float copy a point of this scheme
+        keeps (a quantized scheme's compute dtype; a float scheme's own)."""
+        return 4 if getattr(self, "compute_dtype", "bfloat16") == "float32" else 2
+
 
 @dataclass
 class KVScheme(_Scheme):

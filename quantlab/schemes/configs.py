@@ -85,6 +85,9 @@ class FloatScheme(WeightScheme):
     def short_name(self) -> str:
         return _SHORT[self.dtype]
 
+    def float_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
 
 @dataclass
 class Int8Scheme(WeightScheme):
