@@ -104,10 +104,18 @@ def test_a_port_another_process_holds_is_named_in_one_line(tmp_path):
 
 
 def test_a_server_that_cannot_start_is_one_line_and_nothing_runs(tmp_path):
+    """A backend whose directory cannot be made is refused before a server
+    starts; one the server cannot open (a directory where its database file
+    would be) is the server's exit, in one line."""
     port = free_port()
-    proc = run_cli(["+sweep=smoke", "model=tiny", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
-                    f"tracking.serve={tmp_path}/srv", "tracking.serve_backend=sqlite:////proc/forbidden/m.db"],
-                   timeout=300)
+    common = ["+sweep=smoke", "model=tiny", "tracking=server", f"tracking.uri=http://127.0.0.1:{port}",
+              f"tracking.serve={tmp_path}/srv"]
+    proc = run_cli([*common, "tracking.serve_backend=sqlite:////proc/forbidden/m.db"], timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "quantlab: tracking.serve_backend sqlite:////proc/forbidden/m.db unusable: cannot create /proc/forbidden: "
+        "No such file or directory")
+    (tmp_path / "a_dir").mkdir()
+    proc = run_cli([*common, f"tracking.serve_backend=sqlite:///{tmp_path}/a_dir"], timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"quantlab: tracking server at http://127.0.0.1:{port} (started here") and "exited" in last
