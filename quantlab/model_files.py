@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ def context_length(cfg: Any) -> int | None:
     (``max_position_embeddings``, GGUF's ``<arch>.context_length``); None
     for the tiny test model, whose figure is nominal (any length runs)."""
     if cfg.source == "shape":
-        return cfg.shape.max_position_embeddings or _shape(cfg).max_position_embeddings
+        return shape(cfg).max_position_embeddings
     if (gguf := _gguf_file(cfg)) is not None:
         return _gguf_header(str(gguf))[0]
     config = _hf_config(cfg)
@@ -81,7 +82,7 @@ def parameters(cfg: Any) -> int | None:
     """How many weights the model has, counted from its files' headers (the
     tiny model's are too few to matter: None)."""
     if cfg.source == "shape":
-        return _shape(cfg).params
+        return shape(cfg).params
     if (gguf := _gguf_file(cfg)) is not None:
         return _gguf_header(str(gguf))[1]
     local = Path(cfg.path).expanduser() if cfg.source == "hf" and cfg.path else None
@@ -91,11 +92,11 @@ def parameters(cfg: Any) -> int | None:
     return sum(_safetensors_elements(f) for f in files) if files else None
 
 
-def _shape(cfg: Any):
+def shape(cfg: Any):
+    """The named shape of ``cfg.shape`` with its overrides (:func:`quantlab.shapes.resolve`)."""
     from quantlab import shapes
 
-    given = {k: v for k, v in vars(cfg.shape).items() if k in shapes.FIELDS and v is not None}
-    return shapes.resolve(cfg.shape.name, given)
+    return shapes.resolve(cfg.shape.name, {k: getattr(cfg.shape, k) for k in shapes.FIELDS if hasattr(cfg.shape, k)})
 
 
 def _gguf_file(cfg: Any) -> Path | None:
@@ -126,10 +127,7 @@ def _gguf_header(path: str) -> tuple[int | None, int]:
         for _ in range(n_tensors):
             _gguf_string(f)
             (dims,) = struct.unpack("<I", f.read(4))
-            n = 1
-            for d in struct.unpack(f"<{dims}Q", f.read(8 * dims)):
-                n *= d
-            elements += n
+            elements += math.prod(struct.unpack(f"<{dims}Q", f.read(8 * dims)))
             f.seek(12, 1)  # its type (u32) and data offset (u64)
     ctx = meta.get(f"{meta.get('general.architecture')}.context_length")
     return (int(ctx) if ctx is not None else None), elements
@@ -178,11 +176,4 @@ def _safetensors_elements(path: Path) -> int:
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
-    total = 0
-    for name, info in header.items():
-        if name != "__metadata__":
-            n = 1
-            for d in info["shape"]:
-                n *= d
-            total += n
-    return total
+    return sum(math.prod(info["shape"]) for name, info in header.items() if name != "__metadata__")

@@ -38,7 +38,7 @@ def load(cfg: ModelConfig, cache_dir: str, dtype: torch.dtype = torch.float32):
     if cfg.source == "tiny":
         return tiny_model(cfg, dtype), byte_tokenizer()
     if cfg.source == "shape":
-        shape = shape_of(cfg)
+        shape = model_files.shape(cfg)
         return shape_model(shape, cfg.shape.seed), byte_tokenizer(shape.vocab_size)
     if cfg.source == "smollm2":
         return _from_gguf(smollm2_gguf_path(), cache_dir, dtype)
@@ -153,11 +153,6 @@ def tiny_model(cfg: ModelConfig, dtype=torch.float32) -> LlamaForCausalLM:
         torch.manual_seed(t.seed)
         model = LlamaForCausalLM(config)
     return model.to(dtype).eval()
-
-
-def shape_of(cfg: ModelConfig) -> shapes.Shape:
-    """The named shape of ``cfg.shape`` with its overrides."""
-    return shapes.resolve(cfg.shape.name, {k: getattr(cfg.shape, k) for k in shapes.FIELDS if hasattr(cfg.shape, k)})
 
 
 def shape_config(shape: shapes.Shape):
