@@ -19,7 +19,7 @@ import sys
 # command -> (module with main(argv, prog) -> exit status, one line of help)
 COMMANDS = {
     "run": ("quantlab.cli", "run a sweep or a point (Hydra overrides)"),
-    "report": ("quantlab.report", "a sweep's report, Pareto plot and picks"),
+    "report": ("quantlab.report_cli", "a sweep's report, Pareto plot and picks"),
     "export": ("quantlab.export.cli", "export a point as a checkpoint or a GGUF file"),
     "capabilities": ("quantlab.capabilities", "which scheme runs on which target, here"),
     "sensitivity": ("quantlab.sensitivity", "per-layer sensitivity and mixed-precision recipes"),

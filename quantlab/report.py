@@ -1,5 +1,6 @@
 """Per-sweep report read back from MLflow: table, recovery, Pareto frontier,
-"the fastest point within a budget", plots. ``python -m quantlab.report``."""
+"the fastest point within a budget", plots. Its command line (``quantlab
+report``) is :mod:`quantlab.report_cli`."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 from quantlab import decision, plots, point, scaling, serving_report, tracking, uncertainty
-from quantlab.config import default_tracking_uri
 from quantlab.errors import UserError
 from quantlab.measurement import TIME_PREFIX
 from quantlab.pareto import Point, Recommendation, fastest_within, frontier
@@ -611,57 +611,7 @@ def _declaration_text(said) -> str:
     return f"metric {metric}, budgets {', '.join(f'{b:g}' for b in budgets)}, alpha {alpha:g}"
 
 
-def _budget_list(text: str) -> tuple[float, ...]:
-    """``--budgets 0.01,0.05``: positive numbers, else argparse's one-line error."""
-    import argparse
+if __name__ == "__main__":  # python -m quantlab.report: the command line is quantlab.report_cli
+    from quantlab.report_cli import main
 
-    try:
-        out = tuple(float(b) for b in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers, e.g. 0.01,0.05") from None
-    if not out or any(b <= 0 for b in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: budgets must be > 0")
-    return out
-
-
-def main(argv: list[str] | None = None, prog: str = "python -m quantlab.report") -> int:
-    """``python -m quantlab.report [--sweep latest|NAME|RUN_ID] ...``"""
-    import argparse
-    import sys
-
-    ap = argparse.ArgumentParser(prog=prog, description=main.__doc__)
-    ap.add_argument("--tracking-uri", default=default_tracking_uri(),
-                    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns/mlflow.db)")
-    ap.add_argument("--experiment", default="quantlab")
-    ap.add_argument("--sweep", default="latest", help="latest (the newest sweep, or point run alone), a sweep "
-                    "name, a parent run id, or the run id of a point run alone")
-    ap.add_argument("--metric", default=None, help="decision metric (auto, fid/kl_mean, recovery/acc/...); "
-                    "default: the one the sweep declared (decision.metric); another is reported as post hoc")
-    ap.add_argument("--budgets", type=_budget_list, default=None,
-                    help="comma-separated loss budgets; default: those declared (decision.budgets)")
-    ap.add_argument("--alpha", type=float, default=None,
-                    help="family-wise error per budget; default: the one declared (decision.alpha)")
-    ap.add_argument("--objective", default="auto", help="what a budget's pick maximises: auto (capacity where the "
-                    "load probe ran, else tpot), tpot (lowest decode latency), capacity (highest lower bound of "
-                    "req/s under the SLOs)")
-    ap.add_argument("--out", default=None, help="directory for report.md, pareto.png, pareto.html")
-    ap.add_argument("--no-log", action="store_true", help="do not write to the parent run")
-    args = ap.parse_args(argv)
-    from quantlab.config import TrackingConfig
-
-    try:
-        tracker = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
-                                                  artifact_root=None))
-        is_sweep, run_id = tracker.find_report(args.sweep)
-        out = Path(args.out) if args.out else None
-        # build() checks the objective before it writes anything
-        print(build(tracker, run_id, args.metric, args.budgets, out, not args.no_log, args.objective, args.alpha)
-              if is_sweep else point_report(tracker, run_id, out, not args.no_log))
-    except UserError as e:
-        print(f"quantlab.report: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
     raise SystemExit(main())

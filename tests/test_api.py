@@ -99,14 +99,14 @@ def test_results_of_a_store_without_the_sweep_says_which_there_are(sweep_store, 
 def test_every_command_defaults_to_mlflow_tracking_uri(monkeypatch, tmp_path):
     """One tracking setting: the Hydra preset, the report and the export read
     MLFLOW_TRACKING_URI; unset, all three default to the same local file."""
-    from quantlab import config, report
+    from quantlab import config, report_cli
     from quantlab.export import cli as export_cli
 
     def defaults():
         import argparse
 
         seen = {}
-        for name, mod in (("report", report), ("export", export_cli)):
+        for name, mod in (("report", report_cli), ("export", export_cli)):
             def grab(self, argv=None, namespace=None, _name=name):
                 seen[_name] = self.get_default("tracking_uri")
                 raise SystemExit(0)

@@ -38,6 +38,15 @@ print("torch imported:", "torch" in sys.modules)
 """
 
 
+# `quantlab report` in a fresh interpreter: its exit status, then which heavy modules it imported.
+_REPORT = """
+import sys
+from quantlab.console import main
+status = main(["report", *sys.argv[1:]])
+print(status, [m for m in ("mlflow", "scipy", "torch", "matplotlib") if m in sys.modules])
+"""
+
+
 def _refused(args: list[str], tmp_path) -> str:
     """The line a fresh ``cli.preflight`` refuses ``args`` with (asserting it
     refused, imported no torch and created no store)."""
@@ -213,22 +222,32 @@ def test_a_store_that_cannot_be_used_is_refused_at_launch(tmp_path):
 def test_the_report_of_a_point_run_alone(tmp_path):
     """``quantlab run`` without -m logs a point under no sweep: ``--sweep
     latest`` (the default) reports it, its row and times, and says why there
-    is no pick; a sweep name that is not there lists the sweeps and the point."""
-    from quantlab import report
+    is no pick; a sweep name that is not there lists the sweeps and the point,
+    from the store read without MLflow (the same runs as MLflow's search), in
+    a cold interpreter that never imports MLflow, SciPy or torch."""
+    from quantlab import report_cli, store_read
 
     uri = f"sqlite:///{tmp_path}/m.db"
     proc = run_cli(["model=tiny", "probe=smoke", "probe.latency.repeats=1", f"tracking.uri={uri}",
                     f"tracking.artifact_root={tmp_path}/a"])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert report.main(["--tracking-uri", uri, "--out", str(tmp_path / "r")]) == 0
+    assert report_cli.main(["--tracking-uri", uri, "--out", str(tmp_path / "r")]) == 0
     text = (tmp_path / "r" / "report.md").read_text()
     assert text.startswith("# Point bf16@cpu (") and "no loss and no pick" in text and "| bf16@cpu | finished |" in text
     assert "Where the time went" in text
     (run,) = [r for r in tracker(uri).top_level()]
+    assert store_read.open_store(uri, "quantlab").top_level() == [run]
     assert "report.md" in {a.path for a in tracker(uri).client.list_artifacts(run[0])}
-    assert report.main(["--tracking-uri", uri, "--sweep", run[0], "--no-log", "--out", str(tmp_path / "s")]) == 0
+    assert report_cli.main(["--tracking-uri", uri, "--sweep", run[0], "--no-log", "--out", str(tmp_path / "s")]) == 0
+    no_sweep = ("quantlab.report: no sweep 'nope' in this store; sweeps: none (or a parent run id); 1 point run "
+                "alone (--sweep latest or its run id reports one)")
+    no_store = f"quantlab.report: no tracking store at {tmp_path}/none.db (run a sweep first, or pass --tracking-uri)"
+    for args, line in [(["--sweep", "nope", "--tracking-uri", uri], no_sweep),
+                       (["--tracking-uri", f"sqlite:///{tmp_path}/none.db"], no_store)]:
+        done = subprocess.run([sys.executable, "-c", _REPORT, *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+        assert done.stderr.strip() == line and done.stdout.split() == ["2", "[]"], (done.stdout, done.stderr)
+    assert not (tmp_path / "none.db").exists()
     done = subprocess.run([sys.executable, "-m", "quantlab.report", "--tracking-uri", uri, "--sweep", "nope"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and done.stderr.strip() == (
-        "quantlab.report: no sweep 'nope' in this store; sweeps: none (or a parent run id); 1 point run alone "
-        "(--sweep latest or its run id reports one)")
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # the python -m form: the same line
+    assert done.returncode == 2 and done.stderr.strip() == no_sweep

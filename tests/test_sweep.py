@@ -130,24 +130,27 @@ def test_unavailable_target_is_skipped_with_reason(tmp_path):
 
 
 def test_report_cli_reads_a_store_written_by_another_process(smoke_sweep, tmp_path, capsys):
-    from quantlab import report
+    from quantlab import report_cli, store_read
 
     _, client, runs = smoke_sweep
     uri = client.tracking_uri
-    assert report.main(["--tracking-uri", uri, "--sweep", "smoke", "--out", str(tmp_path), "--no-log"]) == 0
+    light, full = store_read.open_store(uri, "quantlab"), tracker(uri)  # the store read with and without MLflow
+    assert isinstance(light, store_read.SqliteStore) and light.top_level() == full.top_level()
+    assert light.sweeps() == full.sweeps() and light.tags(runs[0].info.run_id) == full.tags(runs[0].info.run_id)
+    assert report_cli.main(["--tracking-uri", uri, "--sweep", "smoke", "--out", str(tmp_path), "--no-log"]) == 0
     out = capsys.readouterr().out
     # fp32 scores the reference's own log-probabilities on every position: its loss is exactly 0 (shown by its
     # outputs), so it qualifies within 1 %, where a sampled bound at 512 positions could not have shown it
     assert "Fastest within 1% loss: **fp32@cpu**" in out and "identical log-probabilities to the reference" in out
     assert "Declared at launch: metric auto, budgets 0.01, 0.05, alpha 0.05." in out and "post hoc" not in out
-    assert report.main(["--tracking-uri", uri, "--sweep", "smoke", "--budgets", "0.02", "--no-log",
-                        "--out", str(tmp_path / "late")]) == 0
+    assert report_cli.main(["--tracking-uri", uri, "--sweep", "smoke", "--budgets", "0.02", "--no-log",
+                            "--out", str(tmp_path / "late")]) == 0
     assert "within 2% loss (post hoc: budget not declared (0.01, 0.05))" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:  # argparse's one line, exit 2
-        report.main(["--tracking-uri", uri, "--budgets", "0.02,x"])
+        report_cli.main(["--tracking-uri", uri, "--budgets", "0.02,x"])
     assert e.value.code == 2 and "comma-separated numbers" in capsys.readouterr().err
     assert (tmp_path / "pareto.png").stat().st_size > 10_000 and (tmp_path / "pareto.html").is_file()
-    assert report.main(["--tracking-uri", uri, "--sweep", "nope"]) == 2
+    assert report_cli.main(["--tracking-uri", uri, "--sweep", "nope"]) == 2
     assert "no sweep 'nope' in this store; sweeps: smoke" in capsys.readouterr().err
 
 

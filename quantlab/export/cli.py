@@ -15,66 +15,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sqlite3
 import sys
 from pathlib import Path
-from typing import Protocol
 
 from quantlab.config import default_tracking_uri
 from quantlab.errors import UserError
 from quantlab.export.formats import FORMATS
-from quantlab.point import (REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SCHEME_TAG, exportable_tag, find_sweep,
-                            post_hoc_tag, recommended_budgets, recommended_tags)
-
-
-class Store(Protocol):
-    """What the checks read: a run's tags (None: no such run) and a sweep's parent runs."""
-
-    def tags(self, run_id: str) -> dict[str, str] | None: ...
-
-    def sweeps(self) -> list[tuple[str, dict[str, str]]]: ...
-
-
-class SqliteStore:
-    """A local ``sqlite:///`` MLflow store read with :mod:`sqlite3` (no MLflow
-    import: ~1 s saved); its tables as MLflow 3 writes them."""
-
-    def __init__(self, path: Path, experiment: str):
-        if not path.is_file():
-            raise UserError(f"no tracking store at {path} (run a sweep first, or pass --tracking-uri)")
-        self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        row = self.db.execute("SELECT experiment_id FROM experiments WHERE name = ? AND lifecycle_stage = 'active'",
-                              (experiment,)).fetchone()
-        if row is None:
-            raise UserError(f"no experiment {experiment!r} in {path}")
-        self.experiment_id = str(row[0])
-
-    def tags(self, run_id: str) -> dict[str, str] | None:
-        if self.db.execute("SELECT 1 FROM runs WHERE run_uuid = ? AND lifecycle_stage = 'active'",
-                           (run_id,)).fetchone() is None:
-            return None
-        return dict(self.db.execute("SELECT key, value FROM tags WHERE run_uuid = ?", (run_id,)).fetchall())
-
-    def sweeps(self) -> list[tuple[str, dict[str, str]]]:
-        ids = [r[0] for r in self.db.execute(
-            "SELECT r.run_uuid FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid WHERE r.experiment_id = ? "
-            "AND r.lifecycle_stage = 'active' AND t.key = ? AND t.value = ? ORDER BY r.start_time DESC",
-            (self.experiment_id, ROLE_TAG, ROLE_SWEEP))]
-        return [(i, self.tags(i) or {}) for i in ids]
-
-
-def open_store(uri: str, experiment: str) -> Store:
-    """The store the checks read: SQLite directly, any other URI through
-    :class:`quantlab.tracking.Tracker`."""
-    if uri.startswith("sqlite:///"):
-        try:
-            return SqliteStore(Path(uri[len("sqlite:///"):]), experiment)
-        except sqlite3.Error:  # not the schema we read: the slower, general path
-            pass
-    from quantlab import tracking
-    from quantlab.config import TrackingConfig
-
-    return tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))  # a Store too
+from quantlab.point import (REUSED_FROM_TAG, SCHEME_TAG, exportable_tag, find_sweep, post_hoc_tag, recommended_budgets,
+                            recommended_tags)
+from quantlab.store_read import Store, open_store
 
 
 def resolve(store: Store, run: str | None, sweep: str | None, budget: float, fmt: str) -> str:
@@ -112,7 +61,7 @@ def _recommended(store: Store, sweep: str, budget: float) -> str:
         budgets = recommended_budgets(tags)
         raise UserError(f"sweep {sweep!r} has no recommendation for budget {budget:g}; "
                         f"budgets with one: {', '.join(budgets) or 'none'} "
-                        f"(python -m quantlab.report --sweep {sweep} --budgets {budget:g} makes one)")
+                        f"(quantlab report --sweep {sweep} --budgets {budget:g} makes one)")
     return chosen
 
 
