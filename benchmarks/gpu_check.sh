@@ -82,7 +82,9 @@ if [ "$TARGET" = cuda ]; then
   sweep fp8_vs_int4 fp8_vs_int4 100 target=cuda \
     scheme/weights=fp32,bf16,fp16,fp8-e4m3,fp8-w8a8,int8,int4-g64,int4-g32,nf4
   sweep kv kv 90 target=cuda probe.cache.corpus=builtin scheme/weights=bf16
-  sweep formats formats 120 target=cuda scheme/weights=bf16,fp8-block64,nvfp4,nvfp4-a16,mxfp4,mxfp8,w4a8-g64
+  # quantlab's CUDA engine emulates these formats: timed anyway here, to show the emulation's decode runs on CUDA
+  sweep formats formats 120 target=cuda scheme/weights=bf16,fp8-block64,nvfp4,nvfp4-a16,mxfp4,mxfp8,w4a8-g64 \
+    probe.latency.on_emulated=measure
 else  # dry run: the same sweeps and wiring on the CPU, two points each
   sweep launch_overhead launch_overhead 300 target=cpu scheme/weights=bf16,int8 probe.latency.repeats=1 \
     probe.latency.new_tokens=4

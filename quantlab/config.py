@@ -118,9 +118,13 @@ class LatencyProbeConfig:
     """Decode-loop timing. Per grid cell, ``warmup`` requests are discarded, then
     requests repeat until both ``repeats`` and ``min_seconds`` are reached
     (at most ``max_repeats``). The primary cell is (``batch_size``,
-    ``prompt_tokens``); ``grid_batch_sizes`` x ``grid_prompt_tokens`` adds cells."""
+    ``prompt_tokens``); ``grid_batch_sizes`` x ``grid_prompt_tokens`` adds cells.
+    ``on_emulated``: on a point tagged ``emulated=true`` (no real kernel for its
+    scheme on this target) ``measure`` times the emulation anyway (its latency is
+    marked, never picked, and is not the scheme's); ``skip`` does not time it."""
 
     enabled: bool = True
+    on_emulated: str = field(default="measure", metadata={"choices": ("measure", "skip")})
     batch_size: int = field(default=1, metadata={"min": 1})
     prompt_tokens: int = field(default=64, metadata={"min": 1})
     new_tokens: int = field(default=32, metadata={"min": 1})

@@ -248,3 +248,25 @@ def test_stage_table_runs_at_the_cells_batch(tiny):
     engine.decode = lambda ids, *a, **k: shapes.append(tuple(ids.shape)) or decode(ids, *a, **k)
     stages.measure(engine, tok, corpus.prompt_text(tok, 16), 16, steps=2, requests=1, batch=3)
     assert shapes == [(3, 16)]
+
+
+def test_an_emulated_point_is_not_timed_when_told_to_skip(tmp_path):
+    """``probe.latency.on_emulated=skip``: a point with no real kernel here
+    (nvfp4-a16 on a CPU) logs its accuracy but no latency, and says why; a
+    real point under the same setting is timed as ever."""
+    from quantlab.pipeline import run_point
+    from tests.conftest import compose_cfg, tracker
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    ran = {}
+    for scheme in ("nvfp4-a16", "bf16"):
+        cfg = compose_cfg(["model=tiny", "probe=smoke", f"scheme/weights={scheme}", "probe.latency.on_emulated=skip",
+                           f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"])
+        ran[scheme] = tracker(uri).get(run_point(cfg).run_id)
+    emulated, real = ran["nvfp4-a16"], ran["bf16"]
+    assert emulated.data.tags["emulated"] == "true" and emulated.data.tags["quantlab.outcome"] == "finished"
+    assert emulated.data.tags["probe.latency.skipped"].startswith("emulated: no real kernel for this scheme here")
+    assert not [k for k in emulated.data.metrics if k.startswith(("lat/", "stage/"))]
+    assert "fid/kl_mean" in emulated.data.metrics
+    assert real.data.tags["emulated"] == "false" and "probe.latency.skipped" not in real.data.tags
+    assert real.data.metrics["lat/tpot_ms_p50"] > 0

@@ -216,6 +216,11 @@ class LatencyProbe:
 
     def run(self, ctx: ProbeContext) -> ProbeResult:
         cfg, lat, engine, out = ctx.cfg, ctx.cfg.probe.latency, ctx.engine, ProbeResult()
+        if lat.on_emulated == "skip" and ctx.tags.get(point.EMULATED_TAG) == "true":
+            out.tags["probe.latency.skipped"] = ("emulated: no real kernel for this scheme here, so its timing would "
+                                                 "not be the scheme's (probe.latency.on_emulated=skip)")
+            ctx.log("latency probe skipped: %s", out.tags["probe.latency.skipped"])
+            return out
         ctx.log("latency probe (%d cells, %d new tokens, >= %d requests per cell)", len(latency.cells(lat)),
                 lat.new_tokens, lat.repeats)
         prompt = corpus.prompt_text(ctx.tokenizer, max(p for _, p in latency.cells(lat)))
