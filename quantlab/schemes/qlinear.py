@@ -161,7 +161,35 @@ def widened_tags(n: int, dtype: torch.dtype) -> dict[str, str]:
                                   f"(no native {name} matmul on this CPU); decode on the half weights"}
 
 
-class Int8Linear(nn.Module):
+class _PackedLinear(nn.Module):
+    """A Linear over an integer-packed weight: a token count the kernel is slow
+    at (:func:`dense_path`) multiplies the dequantized weight on the dense path,
+    others call the packed kernel (:meth:`_packed_mm`, ``[M, K] -> [M, N]`` in
+    ``compute_dtype``); then the bias, and the input's shape and dtype."""
+
+    in_features: int
+    out_features: int
+    compute_dtype: torch.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.is_cpu and dense_path(x2.shape[0], self.compute_dtype):
+            y = _dense(x2, self.dequantize(), self.compute_dtype)
+        else:
+            y = self._packed_mm(x2.to(self.compute_dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(_PackedLinear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  compute_dtype: torch.dtype):
         super().__init__()
@@ -176,16 +204,8 @@ class Int8Linear(nn.Module):
         q, scale = rtn_int8(linear.weight.detach().float())
         return cls(q, scale, linear.bias, compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.is_cpu and dense_path(x2.shape[0], self.compute_dtype):
-            y = _dense(x2, self.dequantize(), self.compute_dtype)
-        else:
-            y = torch._weight_int8pack_mm(x2.to(self.compute_dtype), self.qweight, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+    def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x2, self.qweight, self.scale)
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scale.float()[:, None]
@@ -195,7 +215,7 @@ class Int8Linear(nn.Module):
         return self.qweight.float(), self.scale.float()[:, None], None
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_PackedLinear):
     _N_ALIGN = 16  # the CPU packing kernel needs N % 16 == 0; pad and slice
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -220,18 +240,10 @@ class Int4Linear(nn.Module):
         q, scale, zero = rtn_int4(linear.weight.detach().float(), group_size, symmetric)
         return cls(q, scale, zero, group_size, linear.bias, compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.is_cpu and dense_path(x2.shape[0], self.compute_dtype):
-            y = _dense(x2, self.dequantize(), self.compute_dtype)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.to(self.compute_dtype).contiguous(), self.packed, self.group_size, self.scales_and_zeros)
-            y = y[:, : self.out_features]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+    def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group_size,
+                                                       self.scales_and_zeros)
+        return y[:, : self.out_features]  # the rows padded to the kernel's alignment
 
     def codes(self) -> torch.Tensor:
         """The int4 codes ``[N, K]`` (0..15) unpacked from the kernel's layout."""
