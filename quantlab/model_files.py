@@ -61,6 +61,30 @@ def check_readable(cfg: Any) -> None:
         if missing:
             raise ValueError(f"model.path={cfg.path}: not a transformers model directory: it lacks "
                              f"{', '.join(missing)}")
+    if cfg.source == "hf" and (quantized := quantization(cfg)):
+        raise ValueError(f"model.path={cfg.path}: a checkpoint quantized elsewhere ({quantized}); quantlab would "
+                         f"load it as a float model and compare it with itself: give its unquantized original")
+
+
+def quantization(cfg: Any) -> str:
+    """What a transformers checkpoint's ``quantization_config`` says, in words
+    (``compressed-tensors pack-quantized, 4-bit weights, groups of 64``); empty
+    for an unquantized one, or when its ``config.json`` cannot be read here."""
+    q = (_hf_config(cfg) or {}).get("quantization_config")
+    if not isinstance(q, dict):
+        return ""
+    words = [str(q.get("quant_method", "unknown method")), *([str(q["format"])] if q.get("format") else [])]
+    weights = next((g.get("weights") or {} for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)),
+                   {})
+    bits = weights.get("num_bits") or q.get("bits") or (4 if q.get("load_in_4bit") else 8 if q.get("load_in_8bit")
+                                                        else None)
+    group = weights.get("group_size") or q.get("group_size")
+    out = " ".join(words)
+    if bits:
+        out += f", {bits}-bit {'float ' if weights.get('type') == 'float' else ''}weights"
+    if group and group > 0:
+        out += f", groups of {group}"
+    return out
 
 
 def context_length(cfg: Any) -> int | None:
