@@ -23,7 +23,7 @@ from quantlab.store_read import open_store
 def _budget_list(text: str) -> tuple[float, ...]:
     """``--budgets 0.01,0.05``: positive numbers, else argparse's one-line error."""
     try:
-        out = tuple(float(b) for b in text.split(",") if b.strip())
+        out = tuple(float(b) for b in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers, e.g. 0.01,0.05") from None
     if not out or any(b <= 0 for b in out):

@@ -34,8 +34,8 @@ from quantlab import tracking_server
 from quantlab.config import TrackingConfig
 from quantlab.errors import UserError
 from quantlab.point import (CREATE_KEY_TAG, HASH_TAG, HOST_ID_TAG, HOST_TAG, OUTCOME_TAG, PARENT_TAG, PID_START_TAG,
-                            PID_TAG, REASON_TAG, REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SWEEP_TAG, find_report,
-                            find_sweep, recommended_point_tag)
+                            PID_TAG, REASON_TAG, REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SWEEP_TAG, find_sweep,
+                            recommended_point_tag)
 
 log = logging.getLogger("quantlab")
 T = TypeVar("T")
@@ -85,15 +85,12 @@ def connect(cfg: TrackingConfig, wait_s: float = 0.0) -> Tracker:
     """
     uri = cfg.uri
     if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
-        try:
-            db.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"tracking store {uri}: cannot create {db.parent}: {e.strerror}") from e
+        if why := tracking_server.store_unusable(uri):  # its folder is made there
+            raise UserError(f"tracking store {uri}: {why}")
+        if (db := Path(uri[len("sqlite:///"):])).is_file():
+            relocate_artifacts(db)
     if uri.startswith(("http://", "https://")):
         _check_server(uri, wait_s)
-    if uri.startswith("sqlite:///") and db.is_file():
-        relocate_artifacts(db)
     client = MlflowClient(tracking_uri=uri)
     try:
         exp = client.get_experiment_by_name(cfg.experiment)
@@ -330,14 +327,6 @@ class Tracker:
         sweeps = self._search(f"tags.`{ROLE_TAG}` = '{ROLE_SWEEP}'", newest_first=True, max_results=1000)
         both = sorted([*alone, *sweeps], key=lambda r: r.info.start_time, reverse=True)
         return [(r.info.run_id, dict(r.data.tags)) for r in both]
-
-    def find_report(self, sweep: str) -> tuple[bool, str]:
-        """What a report of ``sweep`` reads (:func:`quantlab.point.find_report`);
-        UserError in one line when nothing matches."""
-        try:
-            return find_report(self.top_level(), sweep)
-        except LookupError as e:
-            raise UserError(str(e)) from None
 
     def find_sweep(self, sweep: str) -> str:
         """The parent run id of ``sweep`` (latest, a sweep name, or a parent run
