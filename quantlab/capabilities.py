@@ -6,6 +6,12 @@
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+from pathlib import Path
+
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -62,6 +68,47 @@ def assumed_cuda(capability: tuple[int, int]) -> dict[tuple[str, str, str], tupl
         s = kv_handler(kv).support(kv, hw)
         out[("kv", name, col)] = (s.status, s.reason)
     return out
+
+
+ENV_PREFIXES = ("QUANTLAB_", "ATEN_", "ONEDNN_", "CUDA_", "NEURON_")
+ENV_IGNORED = ("QUANTLAB_PARENT_RUN_ID",)
+
+
+def _tree_digest(h, root: Path, pattern: str) -> None:
+    for path in sorted(root.rglob(pattern)):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+
+
+def environment_key() -> str:
+    """sha256 (24 hex) of everything :func:`matrix` reads: quantlab's sources
+    and presets, every installed distribution's version, the sources of the
+    packages behind quantlab's entry points (plugins edited in place
+    included), this host's CPU/GPU fingerprint, ``PATH`` and the environment
+    variables that pick runtimes (``QUANTLAB_*``, ``ATEN_*``, ``ONEDNN_*``,
+    ``CUDA_*``, ``NEURON_*``). Two sweeps with one key get one matrix."""
+    from quantlab import provenance
+
+    h = hashlib.sha256(provenance.code_version().encode())
+    _tree_digest(h, CONF_DIR, "*.yaml")
+    dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+    h.update("\n".join(dists).encode())
+    eps = sorted({ep.value.split(":")[0].split(".")[0] for d in importlib.metadata.distributions()
+                  for ep in d.entry_points if ep.group.startswith("quantlab")} - {"quantlab"})
+    for top in eps:
+        spec = importlib.util.find_spec(top)
+        if spec is None or not (spec.origin or "").endswith(".py"):
+            continue
+        origin = Path(spec.origin)
+        if spec.submodule_search_locations:
+            _tree_digest(h, origin.parent, "*.py")
+        else:
+            h.update(origin.read_bytes())
+    h.update(provenance.host().encode())
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k == "PATH" or (k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED))
+    h.update(repr(env).encode())
+    return h.hexdigest()[:24]
 
 
 def render(m: dict[tuple[str, str, str], tuple[str, str]]) -> str:

@@ -369,3 +369,40 @@ def test_capabilities_refuses_a_bad_capability_in_one_line(capsys):
         capabilities.main(["--assume-cuda", "abc"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err[-1].endswith("'abc': a CUDA compute capability MAJOR.MINOR, e.g. 9.0")
+
+
+class _Parent:
+    """What ``_log_capabilities`` needs of a parent run: ``log_text``."""
+
+    def __init__(self):
+        self.logged: dict[str, str] = {}
+
+    def log_text(self, text: str, name: str) -> None:
+        self.logged[name] = text
+
+
+def test_capability_matrix_is_made_once_per_environment(tmp_path, monkeypatch):
+    """A sweep logs the matrix from the cache when nothing it reads changed; a
+    runtime picked by the environment (QUANTLAB_VLLM_PYTHON) is another key,
+    the parent run's id is not."""
+    from quantlab import sweep
+
+    monkeypatch.setenv("QUANTLAB_CACHE", str(tmp_path))
+    first = _Parent()
+    sweep._log_capabilities(first)
+    assert "| weights=int8 |" in first.logged["capabilities.md"]
+    assert len(list((tmp_path / "capabilities").glob("*.md"))) == 1
+
+    def no_subprocess(*a, **k):
+        raise AssertionError("the matrix was made again")
+
+    monkeypatch.setattr(sweep.subprocess, "run", no_subprocess)
+    monkeypatch.setenv("QUANTLAB_PARENT_RUN_ID", "another")
+    again = _Parent()
+    sweep._log_capabilities(again)
+    assert again.logged == first.logged
+    key = capabilities.environment_key()
+    monkeypatch.setenv("QUANTLAB_VLLM_PYTHON", str(tmp_path / "python"))
+    assert capabilities.environment_key() != key
+    with pytest.raises(AssertionError, match="made again"):
+        sweep._log_capabilities(_Parent())
