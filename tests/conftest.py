@@ -47,6 +47,24 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
+@pytest.fixture(scope="session")
+def llama_tools() -> Path:
+    """The folder of llama.cpp's own tools (llama-server, llama-perplexity,
+    llama-bench) built from the llama.cpp that llama-cpp-python vendors, once
+    per version, into ~/.cache/quantlab/llama-tools/<version>/
+    (scripts/build_llama_tools.sh, about 10 minutes on 2 cores)."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("llama-cpp-python")
+    prefix = Path("~/.cache/quantlab/llama-tools").expanduser() / version
+    if not all((prefix / t).is_file() for t in ("llama-server", "llama-perplexity", "llama-bench")):
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "build_llama_tools.sh"), str(prefix)],
+                              capture_output=True, text=True, timeout=2400)
+        if proc.returncode != 0:
+            pytest.skip(f"could not build llama.cpp's tools (needs PyPI and cmake): {proc.stderr[-500:]}")
+    return prefix
+
+
 def tracker(uri: str, experiment: str = "quantlab"):
     """quantlab's :class:`~quantlab.tracking.Tracker` on a store a test's sweep wrote."""
     from quantlab import tracking

@@ -1,13 +1,8 @@
 """llama.cpp's own scheduler under load: llama-server's parallel slots serve a
 point's GGUF, tokens equal the binding's greedy decode, and requests share
 decode steps. The server binary is built once from the llama.cpp that
-llama-cpp-python vendors (scripts/build_llama_server.sh, cached by version)."""
+llama-cpp-python vendors (scripts/build_llama_tools.sh, cached by version)."""
 from __future__ import annotations
-
-import importlib.metadata
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,27 +14,15 @@ from quantlab.errors import UserError
 from quantlab.probes import load
 from quantlab.serving import llama_server, policies
 from quantlab.serving.requests import Limits
-from tests.conftest import REPO
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'quantlab[llamacpp]')")
 from quantlab.engines.llamacpp import LlamaCppEngine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def server_bin():
-    """An existing llama-server, else one built (once per llama-cpp-python
-    version) into ~/.cache/quantlab/llama-server/<version>/."""
-    found = llama_server.binary()
-    if found:
-        return found
-    version = importlib.metadata.version("llama-cpp-python")
-    prefix = Path(os.environ.get("QUANTLAB_CACHE", "~/.cache/quantlab")).expanduser() / "llama-server" / version
-    if not (prefix / "llama-server").is_file():
-        proc = subprocess.run(["bash", str(REPO / "scripts" / "build_llama_server.sh"), str(prefix)],
-                              capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            pytest.skip(f"could not build llama-server (needs PyPI and cmake): {proc.stderr[-500:]}")
-    return str(prefix / "llama-server")
+def server_bin(llama_tools):
+    """An existing llama-server, else the one of llama.cpp's tools built here."""
+    return llama_server.binary() or str(llama_tools / "llama-server")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +69,7 @@ def test_llamacpp_engine_without_a_server_says_how_to_get_one(engine, monkeypatc
     monkeypatch.setenv("QUANTLAB_LLAMA_SERVER", "/nonexistent/llama-server")
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     why = policies.cannot("continuous", engine)
-    assert "QUANTLAB_LLAMA_SERVER" in why and "build_llama_server.sh" in why
+    assert "QUANTLAB_LLAMA_SERVER" in why and "build_llama_tools.sh" in why
     assert "one sequence" in policies.cannot("dynamic", engine) and policies.cannot("passthrough", engine) == ""
     with pytest.raises(UserError, match="no llama-server: set QUANTLAB_LLAMA_SERVER"):
         policies.make_policy("continuous", engine, LoadProbeConfig())

@@ -148,21 +148,12 @@ def _float_type(model: torch.nn.Module) -> str:
 def tensors(model: torch.nn.Module) -> list[tuple[str, str, np.ndarray, tuple[int, ...]]]:
     """``(gguf name, ggml type, data, logical shape [N, K])`` for every tensor of a
     (quantized) Llama, in llama.cpp's names and Q/K row order."""
-    import gguf
-
     cfg = model.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture(cfg).upper()], cfg.num_hidden_layers)
+    gguf_name = _namer(cfg)
     ftype = _float_type(model)
     # llama.cpp's llama graph applies RoPE to interleaved pairs: Q/K rows are permuted from HF's halves;
     # its qwen2 graph rotates halves (NeoX style), as HF does: no permutation
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} if cfg.model_type == "llama" else {}
-
-    def gguf_name(module: str, kind: str = "weight") -> str:
-        found = names.get_name(f"{module}.{kind}", try_suffixes=(f".{kind}",))
-        if found is None:
-            raise UserError(f"GGUF: {module}.{kind} has no llama.cpp tensor name")
-        return found
-
     out = []
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -181,6 +172,34 @@ def tensors(model: torch.nn.Module) -> list[tuple[str, str, np.ndarray, tuple[in
         elif leaf.endswith("norm") and hasattr(mod, "weight"):
             w = mod.weight.detach().float().numpy()
             out.append((gguf_name(name), "F32", w, tuple(w.shape)))
+    return out
+
+
+def _namer(cfg):
+    """``(module, kind="weight") -> llama.cpp tensor name`` for an HF config."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture(cfg).upper()], cfg.num_hidden_layers)
+
+    def gguf_name(module: str, kind: str = "weight") -> str:
+        found = names.get_name(f"{module}.{kind}", try_suffixes=(f".{kind}",))
+        if found is None:
+            raise UserError(f"GGUF: {module}.{kind} has no llama.cpp tensor name")
+        return found
+
+    return gguf_name
+
+
+def matrix_names(model: torch.nn.Module) -> dict[str, str]:
+    """``{module name: llama.cpp weight name}`` of every Linear; a tied LM
+    head is ``token_embd.weight``, the matrix llama.cpp's output reads."""
+    cfg = model.config
+    gguf_name = _namer(cfg)
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.Linear, *PACKED)):
+            tied = name == "lm_head" and cfg.tie_word_embeddings
+            out[name] = "token_embd.weight" if tied else gguf_name(name)
     return out
 
 
@@ -284,3 +303,62 @@ def tensor_bytes(path: Path) -> float:
     import gguf
 
     return float(sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors))
+
+
+def quantize(src: Path, dest: Path, quant: str, importance: dict[str, np.ndarray] | None = None,
+             threads: int = 0) -> None:
+    """llama.cpp's quantizer (``llama_model_quantize``, the call behind
+    ``llama-quantize``) from float GGUF ``src`` to ``quant`` (a name of its
+    menu, e.g. ``Q4_K_M``) at ``dest`` (via a temp file, renamed when
+    complete). ``importance``: ``{llama.cpp weight name: [K] float32}``, an
+    importance matrix as ``llama-imatrix`` would give it; ``threads`` 0: all."""
+    import ctypes
+
+    import llama_cpp.llama_cpp as low
+
+    params = low.llama_model_quantize_default_params()
+    params.ftype = getattr(low, f"LLAMA_FTYPE_MOSTLY_{quant}")
+    params.nthread = threads
+    keep = []  # the arrays the C side reads until the call returns
+    if importance:
+        entries = (low.llama_model_imatrix_data * (len(importance) + 1))()  # the last: name NULL, the end
+        for i, (name, values) in enumerate(sorted(importance.items())):
+            arr = np.ascontiguousarray(values, dtype=np.float32)
+            keep.append(arr)
+            entries[i].name = name.encode()
+            entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = arr.size
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(low.llama_model_imatrix_data))
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    rc = low.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp's quantizer failed ({rc}) making {quant} from {src.name}")
+    tmp.replace(dest)
+
+
+def type_mix(path: Path) -> dict[str, float]:
+    """Share of the file's matrix weights (2-D tensors) per GGML type,
+    largest first: llama.cpp's per-tensor choices inside a quant mix."""
+    import gguf
+
+    counts: dict[str, int] = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if len(t.shape) >= 2:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    total = sum(counts.values())
+    return {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def weight_stats(path: Path) -> dict[str, float]:
+    """``size/weight_bytes``, ``size/weight_mb`` and ``size/bits_per_weight``
+    of a GGUF file's tensors, as :func:`quantlab.probes.size.weight_stats`
+    reports them for a model in memory."""
+    import gguf
+
+    tensors = gguf.GGUFReader(str(path)).tensors
+    n_bytes = float(sum(int(t.n_bytes) for t in tensors))
+    n = sum(int(t.n_elements) for t in tensors)
+    return {"size/weight_bytes": n_bytes, "size/weight_mb": n_bytes / 2**20,
+            "size/bits_per_weight": 8.0 * n_bytes / max(n, 1)}

@@ -339,6 +339,49 @@ class W4A8Scheme(WeightScheme):
         return f"w4a8-g{self.group_size}"
 
 
+# llama.cpp's quantizer menu (llama-quantize's names); the types it refuses to make without an
+# importance matrix ("Please do not use ... without an importance matrix")
+LLAMA_QUANTS = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0",
+                "IQ4_XS", "IQ4_NL", "Q3_K_L", "Q3_K_M", "Q3_K_S", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS",
+                "Q2_K", "Q2_K_S", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+LLAMA_QUANTS_NEED_IMATRIX = ("Q2_K_S", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+SOURCE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass
+class LlamaQuantScheme(WeightScheme):
+    """A quant type of llama.cpp's own menu (``Q4_K_M``, ``IQ4_XS``, ...), made
+    by llama.cpp's quantizer (``llama_model_quantize``, the library call behind
+    ``llama-quantize``) from the point's weights written as a ``source_dtype``
+    GGUF, with the type mixes llama.cpp chooses per tensor. ``imatrix``: an
+    importance matrix (each Linear's mean squared input per column, what
+    ``llama-imatrix`` collects) from ``n_samples`` x ``seq_len`` tokens of
+    the ``calibration`` set. Runs on ``target=llamacpp`` only."""
+    HANDLER: ClassVar[str] = "quantlab.schemes.llamaquant"
+    LABEL: ClassVar[str] = "gguf"
+    type: str = field(default="Q4_K_M", metadata={"choices": LLAMA_QUANTS})
+    imatrix: bool = False
+    calibration: str = "wiki"
+    n_samples: int = field(default=32, metadata={"min": 1})
+    seq_len: int = field(default=512, metadata={"min": 2})
+    source_dtype: str = field(default="float16", metadata={"choices": SOURCE_DTYPES})
+
+    def check(self, path: str) -> None:
+        """A type llama.cpp makes only with an importance matrix needs one."""
+        if self.type in LLAMA_QUANTS_NEED_IMATRIX and not self.imatrix:
+            raise ValueError(f"gguf type {self.type} needs an importance matrix (llama.cpp refuses it without "
+                             f"one): set imatrix=true; the types that do: {', '.join(LLAMA_QUANTS_NEED_IMATRIX)}")
+
+    def short_name(self) -> str:
+        return f"gguf-{self.type.lower()}{'-imat' if self.imatrix else ''}"
+
+    def calibration_set(self) -> str | None:
+        return self.calibration if self.imatrix else None
+
+    def float_bytes(self) -> int:
+        return 4 if self.source_dtype == "float32" else 2
+
+
 @dataclass
 class NoKV(KVScheme):
     """Unquantized KV cache in the model's compute dtype."""

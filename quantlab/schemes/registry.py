@@ -65,6 +65,9 @@ class Applied:
     # what an export writes beside the weights: calibrated KV scales as ``{"kv_cache_scheme": {...},
     # "tensors": {name: tensor}}`` (compressed-tensors' names, which vLLM reads); empty: nothing
     checkpoint: dict[str, Any] = field(default_factory=dict)
+    # llama.cpp's importance matrix: each Linear's mean squared input per column, by module name
+    # (what ``llama-imatrix`` collects; the llama.cpp target hands it to its quantizer); empty: none
+    importance: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

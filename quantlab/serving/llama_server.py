@@ -17,7 +17,7 @@ back (part of a character) is timed when the one completing it arrives, and
 its id is unknown to the client (``-1`` in ``Request.tokens``).
 
 The binary: ``$QUANTLAB_LLAMA_SERVER`` or ``llama-server`` on ``PATH``
-(``scripts/build_llama_server.sh`` builds the one matching llama-cpp-python's
+(``scripts/build_llama_tools.sh`` builds the one matching llama-cpp-python's
 llama.cpp).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from quantlab.errors import UserError
 from quantlab.serving.requests import Request
 from quantlab.serving.streaming import StreamingPolicy
 
-BUILD = "scripts/build_llama_server.sh"
+BUILD = "scripts/build_llama_tools.sh"
 
 
 def binary() -> str | None:

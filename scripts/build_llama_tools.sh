@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's own tools from the llama.cpp that the installed
+# llama-cpp-python vendors (its sdist, from PyPI), so the tools and the binding
+# run the same llama.cpp: llama-server (serving under load), llama-perplexity
+# (its --kl-divergence is the peer quantlab's KL is checked against) and
+# llama-bench (the peer of its TPOT). Installs them into PREFIX (default: the
+# active Python's bin/, on PATH inside the venv). CPU only, native ISA. About
+# 10 minutes on 2 cores; the three share one build of the library.
+#   bash scripts/build_llama_tools.sh [PREFIX]
+set -euo pipefail
+tools=(llama-server llama-perplexity llama-bench)
+version=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")
+prefix=${1:-$(python -c "import os, sys; print(os.path.join(sys.prefix, 'bin'))")}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+pip download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work"
+tar xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
+cmake -S "$work/llama_cpp_python-$version/vendor/llama.cpp" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF \
+  -DGGML_NATIVE=ON >"$work/cmake.log"
+cmake --build "$work/build" --target "${tools[@]}" -j"$(nproc)" >"$work/build.log"
+mkdir -p "$prefix"
+for t in "${tools[@]}"; do
+  install -m 755 "$work/build/bin/$t" "$prefix/$t"
+done
+echo "${tools[*]} (llama-cpp-python $version's llama.cpp) -> $prefix"
