@@ -30,10 +30,11 @@ from quantlab import models, point, provenance, targets, tracking
 from quantlab.compose import config_dict
 from quantlab.config import RunConfig
 from quantlab.errors import UserError
+from quantlab.export import state as quantized_state
 from quantlab.measurement import Measurement
 from quantlab.probes import runner, size
 from quantlab.schemes import qlinear
-from quantlab.schemes.registry import ApplyContext, kv_handler
+from quantlab.schemes.registry import ApplyContext, kv_handler, weights_handler
 
 log = logging.getLogger("quantlab")
 
@@ -182,6 +183,8 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
                            data_dir=cfg.data_dir, seed=cfg.seed)
         with m.timed("apply"):  # calibration included
             applied_w = target.apply_weights(model, weights, ctx)
+            if weights.calibration_set() is not None and weights_handler(weights).mapping("checkpoint", weights).ok:
+                m.tags.update(quantized_state.keep(model, cfg.cache_dir))  # what its export writes
             applied_kv = kv_handler(kv).apply(model, kv, ctx)
         compute = model.get_input_embeddings().weight.dtype
         widened = qlinear.widen(model, compute)

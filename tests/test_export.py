@@ -125,7 +125,7 @@ def test_export_holds_the_same_integers(store, tmp_path):
     run.export_run(tracker(client.tracking_uri).run(ids["int8"]), out)
     stored = _unpacked(load_file(out / "model.safetensors"), "model.layers.0.mlp.down_proj", 8)
     cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int8"], "config.yaml", str(tmp_path))).read_text()))
-    model, _ = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
+    model, _, _ = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
     assert torch.equal(stored, model.model.layers[0].mlp.down_proj.qweight)
 
 
@@ -170,7 +170,7 @@ def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path)
     packed, zp = t["model.layers.0.mlp.down_proj.weight_packed"], t["model.layers.0.mlp.down_proj.weight_zero_point"]
     cfg = config_from_dict(yaml.safe_load(Path(client.download_artifacts(ids["int4-g32"], "config.yaml",
                                                                          str(tmp_path))).read_text()))
-    model, _ = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
+    model, _, _ = rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
     q, scale, zero_point = model.model.layers[0].mlp.down_proj.int_weights()
     assert packed.dtype == torch.int32 and packed.numel() * 8 == q.numel()
     assert torch.equal(unpack_from_int32(packed, 4, q.shape).to(torch.int32), (q - 8).to(torch.int32))
@@ -398,7 +398,7 @@ def test_calibrated_fp8_kv_scales_travel_in_the_export(tmp_path, weights):
     assert bool(qcfg["config_groups"]) == (weights == "int8")
     tensors = load_file(out / "model.safetensors")
     float_model, tok = models.load(cfg.model, cfg.cache_dir)
-    model, _ = run.rebuild(cfg, float_model, tok, kv=False)
+    model, _, _ = run.rebuild(cfg, float_model, tok, kv=False)
     ctx = ApplyContext(hw=hardware.cpu(), tokenizer=tok, cache_dir=cfg.cache_dir, data_dir=cfg.data_dir,
                        seed=cfg.seed)
     ids, _ = calibration.batch_or_builtin("wiki", "kvfp8-cal", ctx, 4, 64)

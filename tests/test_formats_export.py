@@ -27,7 +27,7 @@ FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized", "mxf
 def quantized_tiny(preset: str):
     """``(point model, config)`` of ``preset`` on the tiny model, built as export rebuilds it."""
     cfg = compose_cfg(["model=tiny", f"scheme/weights={preset}"])
-    model, _ = run.rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
+    model, _, _ = run.rebuild(cfg, *models.load(cfg.model, cfg.cache_dir))
     return model, cfg
 
 

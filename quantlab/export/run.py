@@ -28,24 +28,36 @@ from quantlab.digest import sha256_file
 from quantlab.divergence import kl_per_token
 from quantlab.errors import UserError
 from quantlab.export import checkpoint, formats, roundtrip
+from quantlab.export import state as quantized_state
 from quantlab.schemes import layers, registry
 from quantlab.schemes.qlinear import QUANTIZED, dequantized
 
 log = logging.getLogger("quantlab")
 
 
-def rebuild(cfg: RunConfig, model: torch.nn.Module, tok, kv: bool = True) -> tuple[torch.nn.Module, dict]:
-    """``model`` (the point's float model, loaded by the caller) quantized in
-    place exactly as the sweep did, on CPU: same quantizer, same integers; and
-    what its KV scheme writes into a checkpoint (calibrated scales, measured
-    on the quantized model as the sweep did; ``{}`` for a runtime-only cache,
-    or with ``kv=False``: a format that holds no KV scales)."""
+def rebuild(cfg: RunConfig, model: torch.nn.Module, tok, kv: bool = True,
+            state: str | None = None) -> tuple[torch.nn.Module, dict, bool]:
+    """The point's quantized model, what its KV scheme writes into a
+    checkpoint (calibrated scales, measured on the quantized model as the
+    sweep did; ``{}`` for a runtime-only cache, or with ``kv=False``: a format
+    that holds no KV scales), and whether the model is the kept one. ``state``: the sha256 of the quantized model the
+    point kept when it was measured (:mod:`~quantlab.export.state`): that model,
+    when the cache still holds it unchanged; else ``model`` (the point's float
+    model, loaded by the caller) quantized in place exactly as the sweep did,
+    on CPU: same quantizer, same integers (calibration runs again)."""
     ctx = registry.ApplyContext(hw=hardware.cpu(), tokenizer=tok, cache_dir=cfg.cache_dir,
                                 data_dir=cfg.data_dir, seed=cfg.seed)
     w, cache = cfg.scheme.weights, cfg.scheme.kv
-    registry.weights_handler(w).apply(model, w, ctx)
+    kept, why = quantized_state.load(cfg.cache_dir, state) if state else (None, "the point kept no quantized state")
+    if kept is not None:
+        log.info("export: the point's own quantized tensors (sha256 %s...), as measured", state[:12])
+        model = kept
+    else:
+        if w.calibration_set() is not None:
+            log.info("export: %s; quantizing again (calibration included)", why)
+        registry.weights_handler(w).apply(model, w, ctx)
     model.eval()
-    return model, registry.kv_handler(cache).apply(model, cache, ctx).checkpoint if kv else {}
+    return model, registry.kv_handler(cache).apply(model, cache, ctx).checkpoint if kv else {}, kept is not None
 
 
 def dense_twins(model: torch.nn.Module, float_model: torch.nn.Module, dtype: torch.dtype):
@@ -77,7 +89,8 @@ def export_run(source: tracking.Run, out: Path, force: bool = False, register: s
     spec = formats.mapping("checkpoint", cfg.scheme.weights)  # refuse a scheme without a format before rebuilding
     log.info("export: rebuilding %s from run %s", run.info.run_name, run_id)
     float_model, tok = models.load(cfg.model, cfg.cache_dir)
-    model, kv = rebuild(cfg, copy.deepcopy(float_model), tok)
+    state = run.data.tags.get(quantized_state.TAG)
+    model, kv, model_from_state = rebuild(cfg, copy.deepcopy(float_model), tok, state=state)
     if kv:
         log.info("export: %s's calibrated k_scale/v_scale go into the checkpoint (kv_cache_scheme, %d tensors)",
                  cfg.scheme.kv.short_name(), len(kv["tensors"]))
@@ -112,6 +125,7 @@ def export_run(source: tracking.Run, out: Path, force: bool = False, register: s
                     "metrics": run.data.metrics, "versions": tracking.versions(
                         ("torch", "transformers", "compressed-tensors", "torchao", "quantlab")),
                     "round_trip": check, "transformers_load": load, "files_sha256": files,
+                    "quantized_state_sha256": state if model_from_state else None,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         (tmp / "quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
         tags = {"export.format": fmt, "export.round_trip": "passed" if check["passed"] else "failed",
@@ -158,10 +172,14 @@ def export_gguf(source: tracking.Run, out: Path, force: bool = False) -> dict:
     run_id = source.id
     cfg = _run_config(source)
     w = cfg.scheme.weights
-    gguf_type = formats.mapping("gguf", w)["type"]
+    spec = formats.mapping("gguf", w)
+    if spec.get("quantize"):
+        return _ship_made_gguf(source, cfg, spec["type"], out)
+    gguf_type = spec["type"]
     log.info("export: rebuilding %s from run %s for GGUF (%s)", w.short_name(), run_id, gguf_type)
     model, tok = models.load(cfg.model, cfg.cache_dir)
-    model, _ = rebuild(cfg, model, tok, kv=False)  # GGUF: llama.cpp scales its cache itself
+    state = source.get().data.tags.get(quantized_state.TAG)
+    model, _, _ = rebuild(cfg, model, tok, kv=False, state=state)  # GGUF: llama.cpp scales its cache itself
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
@@ -187,6 +205,35 @@ def export_gguf(source: tracking.Run, out: Path, force: bool = False) -> dict:
     out.with_name(out.name + ".quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
     log.info("export: %s written (%s), llama.cpp round trip KL %.2e, top-1 %.3f", out,
              ", ".join(f"{v} {k}" for k, v in counts.items()), check["kl_mean"], check["top1_agree"])
+    return manifest
+
+
+def _ship_made_gguf(source: tracking.Run, cfg: RunConfig, gguf_type: str, out: Path) -> dict:
+    """A point llama.cpp's quantizer made (``gguf-*``): the file it measured,
+    copied from ``target.gguf_cache`` once its sha256 equals the run's; one
+    line when the cache no longer holds it (llama.cpp made it, not quantlab's
+    integers: there is nothing to rebuild it from here but the point)."""
+    from quantlab.export import gguf
+
+    tags = source.get().data.tags
+    name, digest = tags.get(gguf.MADE_FILE_TAG), tags.get(gguf.MADE_SHA_TAG)
+    kept = Path(cfg.target.gguf_cache).expanduser() / name if name else None
+    if kept is None or not kept.is_file() or sha256_file(kept) != digest:
+        raise UserError(f"the {gguf_type} file run {source.id} measured is no longer in {cfg.target.gguf_cache} "
+                        "(or no longer hashes to the run's gguf.sha256): run the point again with force=true "
+                        "to have llama.cpp make it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        shutil.copyfile(kept, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    manifest = {"source_run_id": source.id, "format": formats.format_name("gguf", {"type": gguf_type}),
+                "tensor_types": gguf.type_mix(out), "scheme": cfg.scheme.weights.to_dict(), "sha256": digest,
+                "measured_file": True, "versions": tracking.versions(("gguf", "llama_cpp_python", "quantlab"))}
+    out.with_name(out.name + ".quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
+    log.info("export: %s is the file run %s measured (%s, sha256 %s...)", out, source.id, gguf_type, digest[:12])
     return manifest
 
 
