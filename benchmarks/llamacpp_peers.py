@@ -8,7 +8,9 @@ it into chunks of ``--ctx`` tokens and scores the second half of each chunk
 (positions ``ctx/2 .. ctx-2``, each predicting the next token); quantlab does
 the same through its llama.cpp engine (llama-cpp-python on the same llama.cpp)
 and its own :func:`quantlab.divergence.kl_per_token`. Both print a mean and
-its standard error over tokens.
+its standard error over tokens. Both run flash attention off, as quantlab's
+engine does with an F16 cache: llama.cpp's default (auto: on, on a CPU) moves
+SmolLM2's Q6_K KL by 6 %, 3 standard errors.
 
 TPOT: ``llama-bench -p 0 -n N`` (decode only, from an empty context) against
 the greedy decode quantlab's latency probe times (:meth:`LlamaCppEngine.decode`
@@ -46,15 +48,20 @@ def default_tools() -> Path:
     return Path("~/.cache/quantlab/llama-tools").expanduser() / importlib.metadata.version("llama-cpp-python")
 
 
-def _repack_flag() -> list[str]:
-    return [] if extra_buffers_ok(hardware.cpu_flags()) else ["--no-repack"]
+def _repack(bench: bool = False) -> list[str]:
+    """Weight repacking off where quantlab's engine turns it off (AMX-INT8
+    hosts: :func:`extra_buffers_ok`), so the tools run what the engine runs."""
+    if extra_buffers_ok(hardware.cpu_flags()):
+        return []
+    return ["--repack", "0"] if bench else ["--no-repack"]
 
 
 def theirs_kld(tools: Path, base: Path, quant: Path, text: Path, ctx: int, threads: int) -> dict[str, float]:
     """``llama-perplexity --kl-divergence`` of ``quant`` against ``base`` on
     ``text``: ``kld``, ``kld_se``, ``same_top``, ``same_top_se`` (fractions)."""
     exe = str(tools / "llama-perplexity")
-    common = ["-c", str(ctx), "-b", str(ctx), "-t", str(threads), "-ngl", "0", *_repack_flag()]
+    # as quantlab's engine runs an F16 cache: flash attention off (llama-perplexity's default, auto, turns it on)
+    common = ["-c", str(ctx), "-b", str(ctx), "-t", str(threads), "-ngl", "0", "-fa", "off", *_repack()]
     with tempfile.TemporaryDirectory() as tmp:
         logits = str(Path(tmp) / "base.kld")
         first = subprocess.run([exe, "-m", str(base), "-f", str(text), "--kl-divergence-base", logits, *common],
@@ -104,9 +111,10 @@ def ours_kld(base: Path, quant: Path, text: str, ctx: int, vocab: int, threads: 
 
 
 def theirs_tpot_ms(tools: Path, path: Path, n_gen: int, threads: int) -> float:
-    """``llama-bench -p 0 -n n_gen``: ms per generated token (its mean)."""
+    """``llama-bench -p 0 -n n_gen`` (flash attention off, as the engine runs
+    an F16 cache): ms per generated token (its mean)."""
     proc = subprocess.run([str(tools / "llama-bench"), "-m", str(path), "-p", "0", "-n", str(n_gen), "-t", str(threads),
-                           "-r", "3", "-ngl", "0", "-o", "json", *_repack_flag()],
+                           "-r", "3", "-ngl", "0", "-fa", "off", "-o", "json", *_repack(bench=True)],
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed: {proc.stderr[-1500:]}")

@@ -185,6 +185,19 @@ def test_every_targets_point_round_trips_through_its_dict(target):
     assert config_dict(back) == config_dict(cfg)
 
 
+def test_every_scheme_preset_round_trips_through_its_dict():
+    """Each weight and KV preset comes back from its logged dict as itself (a
+    scheme field named ``type``, the dict's own key, once made an exported
+    gguf-* point unreadable)."""
+    from quantlab.cli import presets
+    from quantlab.compose import config_dict, config_from_dict
+
+    for group in ("weights", "kv"):
+        for name in presets(f"scheme/{group}"):
+            cfg = compose_cfg([f"scheme/{group}={name}"])
+            assert config_from_dict(config_dict(cfg)) == cfg, name
+
+
 def test_an_unknown_config_type_is_one_line():
     from quantlab.compose import config_dict, config_from_dict
 

@@ -3,6 +3,10 @@ against its definition and against llama.cpp's quantizer, the files made and
 read back with gguf-py, a menu sweep end to end, and bad input as one line."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +15,8 @@ from quantlab import models, point
 from quantlab.export import gguf as gguf_export
 from quantlab.schemes.configs import LlamaQuantScheme
 from quantlab.schemes.llamaquant import importance
-from tests.conftest import compose_cfg, run_cli, tracker
+from quantlab.digest import sha256_file
+from tests.conftest import REPO, compose_cfg, run_cli, tracker
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'quantlab[llamacpp]')")
 # rows of 256 and 512: llama.cpp's K-quant super-blocks (256) divide every matrix, so no fallback type
@@ -32,11 +37,11 @@ def _dequantized(path, name: str) -> torch.Tensor:
 
 
 def test_bad_gguf_types_are_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"gguf type 'Q4_K_X'.*valid: Q8_0, Q6_K, Q5_K_M"):
-        LlamaQuantScheme(type="Q4_K_X")
-    with pytest.raises(ValueError, match="gguf type IQ2_XXS needs an importance matrix .* set imatrix=true"):
-        LlamaQuantScheme(type="IQ2_XXS")
-    assert LlamaQuantScheme(type="IQ2_XXS", imatrix=True).short_name() == "gguf-iq2_xxs-imat"
+    with pytest.raises(ValueError, match=r"gguf quant 'Q4_K_X'.*valid: Q8_0, Q6_K, Q5_K_M"):
+        LlamaQuantScheme(quant="Q4_K_X")
+    with pytest.raises(ValueError, match="gguf quant IQ2_XXS needs an importance matrix .* set imatrix=true"):
+        LlamaQuantScheme(quant="IQ2_XXS")
+    assert LlamaQuantScheme(quant="IQ2_XXS", imatrix=True).short_name() == "gguf-iq2_xxs-imat"
 
 
 def test_importance_is_each_linears_mean_squared_input():
@@ -87,7 +92,7 @@ def test_a_gguf_menu_sweep_end_to_end(tmp_path, store):
     and Q6_K loses less than Q4_K_M; the same scheme on target=cpu is a
     skipped point with the reason."""
     proc = run_cli(["-m", *WIDE, "target=llamacpp", "probe=smoke", "probe.latency.enabled=false",
-                    "scheme/weights=gguf-q4_k_m-imat", "scheme.weights.type=Q6_K,Q4_K_M",
+                    "scheme/weights=gguf-q4_k_m-imat", "scheme.weights.quant=Q6_K,Q4_K_M",
                     "scheme.weights.calibration=builtin",
                     "scheme.weights.n_samples=4", "scheme.weights.seq_len=64", f"cache_dir={tmp_path}/c", *store],
                    timeout=900)
@@ -111,6 +116,16 @@ def test_a_gguf_menu_sweep_end_to_end(tmp_path, store):
         d = _dequantized(path, "blk.0.ffn_down.weight")
         sqnr = 10 * torch.log10((w ** 2).sum() / ((d - w) ** 2).sum())
         assert sqnr > floor_db, (path.name, float(sqnr))
+    uri = store[0].split("=", 1)[1]
+    export = [sys.executable, "-m", "quantlab.export", "--tracking-uri", uri, "--run", q4.info.run_id]
+    shipped = subprocess.run([*export, "--format", "gguf", "--out", str(tmp_path / "q4.gguf")], capture_output=True,
+                             text=True, cwd=REPO, timeout=600)
+    assert shipped.returncode == 0, shipped.stderr[-2000:]
+    assert sha256_file(tmp_path / "q4.gguf") == q4.data.tags["gguf.sha256"]  # the file the point measured
+    assert json.loads((tmp_path / "q4.gguf.quantlab.json").read_text())["format"] == "gguf/Q4_K_M"
+    refused = subprocess.run([*export, "--out", str(tmp_path / "ckpt")], capture_output=True, text=True, cwd=REPO,
+                             timeout=600)
+    assert refused.returncode != 0 and "gguf-q4_k_m-imat has no checkpoint representation" in refused.stderr
     skipped = run_cli([*WIDE, "target=cpu", "probe=smoke", "scheme/weights=gguf-q4_k_m", f"cache_dir={tmp_path}/c",
                        *store])
     assert skipped.returncode == 0, skipped.stderr[-2000:]

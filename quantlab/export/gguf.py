@@ -40,6 +40,9 @@ from quantlab.schemes.fplinear import MXLinear
 from quantlab.schemes.qlinear import Int4Linear, Int8Linear
 
 BLOCK = 32
+# a point made by llama.cpp's quantizer (scheme gguf-*): its file's name in target.gguf_cache and its sha256,
+# as the point's run records them; its GGUF export ships that very file
+MADE_FILE_TAG, MADE_SHA_TAG = "gguf.file", "gguf.sha256"
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MXFP4")
 PACKED = (Int4Linear, Int8Linear, MXLinear)  # layers written from their own codes
 

@@ -350,7 +350,7 @@ SOURCE_DTYPES = ("float16", "bfloat16", "float32")
 
 @dataclass
 class LlamaQuantScheme(WeightScheme):
-    """A quant type of llama.cpp's own menu (``Q4_K_M``, ``IQ4_XS``, ...), made
+    """``quant``: a type of llama.cpp's own menu (``Q4_K_M``, ``IQ4_XS``, ...), made
     by llama.cpp's quantizer (``llama_model_quantize``, the library call behind
     ``llama-quantize``) from the point's weights written as a ``source_dtype``
     GGUF, with the type mixes llama.cpp chooses per tensor. ``imatrix``: an
@@ -359,7 +359,7 @@ class LlamaQuantScheme(WeightScheme):
     the ``calibration`` set. Runs on ``target=llamacpp`` only."""
     HANDLER: ClassVar[str] = "quantlab.schemes.llamaquant"
     LABEL: ClassVar[str] = "gguf"
-    type: str = field(default="Q4_K_M", metadata={"choices": LLAMA_QUANTS})
+    quant: str = field(default="Q4_K_M", metadata={"choices": LLAMA_QUANTS})
     imatrix: bool = False
     calibration: str = "wiki"
     n_samples: int = field(default=32, metadata={"min": 1})
@@ -368,12 +368,12 @@ class LlamaQuantScheme(WeightScheme):
 
     def check(self, path: str) -> None:
         """A type llama.cpp makes only with an importance matrix needs one."""
-        if self.type in LLAMA_QUANTS_NEED_IMATRIX and not self.imatrix:
-            raise ValueError(f"gguf type {self.type} needs an importance matrix (llama.cpp refuses it without "
+        if self.quant in LLAMA_QUANTS_NEED_IMATRIX and not self.imatrix:
+            raise ValueError(f"gguf quant {self.quant} needs an importance matrix (llama.cpp refuses it without "
                              f"one): set imatrix=true; the types that do: {', '.join(LLAMA_QUANTS_NEED_IMATRIX)}")
 
     def short_name(self) -> str:
-        return f"gguf-{self.type.lower()}{'-imat' if self.imatrix else ''}"
+        return f"gguf-{self.quant.lower()}{'-imat' if self.imatrix else ''}"
 
     def calibration_set(self) -> str | None:
         return self.calibration if self.imatrix else None

@@ -54,7 +54,7 @@ def importance(model: torch.nn.Module, ids: torch.Tensor, batch: int = 4) -> dic
 
 
 def apply(model: torch.nn.Module, cfg: LlamaQuantScheme, ctx: ApplyContext) -> Applied:
-    tags = {"gguf.quant": cfg.type}
+    tags = {"gguf.quant": cfg.quant}
     imatrix: dict[str, torch.Tensor] = {}
     if cfg.imatrix:
         ids, cal_tags = calibration.batch_or_builtin(cfg.calibration, cfg.short_name(), ctx, cfg.n_samples,
@@ -68,7 +68,7 @@ def apply(model: torch.nn.Module, cfg: LlamaQuantScheme, ctx: ApplyContext) -> A
 
 def gguf(cfg: LlamaQuantScheme) -> Mapping:
     """``quantize``: the type llama.cpp's quantizer makes from the float file."""
-    return Mapping({"type": cfg.type, "quantize": cfg.type})
+    return Mapping({"type": cfg.quant, "quantize": cfg.quant})
 
 
 register_weights("gguf", LlamaQuantScheme, support, apply, gguf=gguf)

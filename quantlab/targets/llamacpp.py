@@ -35,6 +35,7 @@ from quantlab.targets.configs import LlamaCppTargetConfig
 from quantlab.engines.llamacpp import INSTALL, LlamaCppEngine, llama_cpp
 from quantlab.export import cache as export_cache
 from quantlab.export import gguf as gguf_export
+from quantlab.digest import sha256_file
 from quantlab.export.cache import content_key
 from quantlab.hardware import Hardware
 from quantlab.schemes.registry import Applied, Support, kv_handler, weights_handler
@@ -86,7 +87,8 @@ class LlamaCppTarget(Target):
         self._made = path, reused, {"compile/gguf_quantize_s": time.perf_counter() - t,
                                     **gguf_export.weight_stats(path)}
         tags = {**applied.tags, "gguf.types": ", ".join(f"{k} {v:.0%}" for k, v in mix.items()),
-                "imatrix": "yes" if applied.importance else "no"}
+                "imatrix": "yes" if applied.importance else "no",
+                gguf_export.MADE_FILE_TAG: path.name, gguf_export.MADE_SHA_TAG: sha256_file(path)}  # what its GGUF export ships
         return dataclasses.replace(applied, tags=tags)
 
     def _quantize(self, model: torch.nn.Module, tokenizer, quant: str,
