@@ -50,6 +50,7 @@ HOST_ID_TAG = "host.id"  # short hash of the host fingerprint
 HOST_FINGERPRINT_TAG = "host.fingerprint"
 HOST_CPU_TAG = "host.cpu"
 PPL_STOP_TAG = "probe.perplexity.stop"  # adaptive perplexity: why the point stopped scoring windows
+GGUF_TYPES_TAG = "gguf.types"  # a gguf-* point: llama.cpp's tensor types by share of matrix weights
 ACC_STOP_TAG = "probe.accuracy.stop"  # adaptive lm-eval: why each task stopped scoring documents
 # how either stop tag begins for a point identical to the reference (it took the reference's items)
 IDENTICAL_STOP = "identical to the reference"

@@ -120,6 +120,11 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
     if stops:
         lines += ["", "Adaptive lm-eval (each task's documents scored in their draw order until every budget was "
                   "decided against the reference model; its bound is anytime-valid over its looks):", *stops]
+    mixes = [f"- {r.info.run_name}: {r.data.tags[point.GGUF_TYPES_TAG]}" for r in runs
+             if point.GGUF_TYPES_TAG in r.data.tags]
+    if mixes:
+        lines += ["", "llama.cpp's tensor types (share of the matrix weights; a type other than the point's is "
+                  "llama.cpp's fallback for matrices whose rows are not whole 256-weight super-blocks):", *mixes]
     if any(r.data.tags.get(point.EMULATED_TAG) == "true" for r in runs):
         lines += ["", "emulated=true: no real low-precision kernel on this target; "
                   "latency is NOT that of the scheme (numerics and size are)."]

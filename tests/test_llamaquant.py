@@ -97,6 +97,7 @@ def test_a_gguf_menu_sweep_end_to_end(tmp_path, store):
                     "scheme.weights.n_samples=4", "scheme.weights.seq_len=64", f"cache_dir={tmp_path}/c", *store],
                    timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "llama.cpp's tensor types" in proc.stdout and "- gguf-q6_k-imat@llamacpp: Q6_K 100%" in proc.stdout
     t = tracker(store[0].split("=", 1)[1])
     runs = {r.info.run_name: r for r in t.client.search_runs([t.experiment_id])
             if r.data.tags.get(point.ROLE_TAG) != point.ROLE_SWEEP}

@@ -87,7 +87,7 @@ def export_run(source: tracking.Run, out: Path, force: bool = False, register: s
     run_id, run = source.id, source.get()
     cfg = _run_config(source)
     spec = formats.mapping("checkpoint", cfg.scheme.weights)  # refuse a scheme without a format before rebuilding
-    log.info("export: rebuilding %s from run %s", run.info.run_name, run_id)
+    log.info("export: %s from run %s", run.info.run_name, run_id)
     float_model, tok = models.load(cfg.model, cfg.cache_dir)
     state = run.data.tags.get(quantized_state.TAG)
     model, kv, model_from_state = rebuild(cfg, copy.deepcopy(float_model), tok, state=state)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from quantlab import hardware
+from quantlab import hardware, point
 from quantlab.targets.configs import LlamaCppTargetConfig
 from quantlab.engines.llamacpp import INSTALL, LlamaCppEngine, llama_cpp
 from quantlab.export import cache as export_cache
@@ -86,7 +86,7 @@ class LlamaCppTarget(Target):
         mix = gguf_export.type_mix(path)
         self._made = path, reused, {"compile/gguf_quantize_s": time.perf_counter() - t,
                                     **gguf_export.weight_stats(path)}
-        tags = {**applied.tags, "gguf.types": ", ".join(f"{k} {v:.0%}" for k, v in mix.items()),
+        tags = {**applied.tags, point.GGUF_TYPES_TAG: ", ".join(f"{k} {v:.0%}" for k, v in mix.items()),
                 "imatrix": "yes" if applied.importance else "no",
                 gguf_export.MADE_FILE_TAG: path.name, gguf_export.MADE_SHA_TAG: sha256_file(path)}  # what its GGUF export ships
         return dataclasses.replace(applied, tags=tags)
