@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from quantlab import capabilities, point, report, tracking
 from quantlab.config import TrackingConfig
+from quantlab.digest import write_atomic
 from quantlab.errors import UserError
 
 log = logging.getLogger("quantlab")
@@ -122,6 +123,4 @@ def _log_capabilities(parent: tracking.Run) -> None:
         return
     parent.log_text(proc.stdout, "capabilities.md")
     root.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(proc.stdout)
-    tmp.replace(cached)
+    write_atomic(cached, proc.stdout)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from quantlab import models
+from quantlab.digest import private_tmp
 from quantlab.errors import UserError
 from quantlab.schemes.fplinear import MXLinear
 from quantlab.schemes.qlinear import Int4Linear, Int8Linear
@@ -332,7 +333,7 @@ def quantize(src: Path, dest: Path, quant: str, importance: dict[str, np.ndarray
             entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
             entries[i].size = arr.size
         params.imatrix = ctypes.cast(entries, ctypes.POINTER(low.llama_model_imatrix_data))
-    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp = private_tmp(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     rc = low.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0:
