@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from quantlab import divergence, hardware, models
+from quantlab import divergence, hardware, model_files, models
 from quantlab.config import ModelConfig, TinyModelConfig
 from quantlab.engines.llamacpp import LlamaCppEngine, extra_buffers_ok
 from quantlab.export import gguf as gguf_export
@@ -187,7 +187,7 @@ def main() -> None:
         for quant in args.quants.split(","):
             path = tmp / f"{quant}.gguf"
             gguf_export.quantize(base, path, quant, threads=args.threads)
-            mix = ", ".join(f"{k} {v:.0%}" for k, v in gguf_export.type_mix(path).items())
+            mix = ", ".join(f"{k} {v:.0%}" for k, v in model_files.gguf_type_mix(str(path)).items())
             ours = ours_kld(base, path, text, args.ctx, vocab, args.threads)
             theirs = theirs_kld(args.tools, base, path, tmp / "text.txt", args.ctx, args.threads)
             t_ours, t_theirs = [], []

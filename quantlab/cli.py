@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from quantlab.compose import plugin_presets, register_configs
-from quantlab import point, tracking_server
+from quantlab import artifacts, point, tracking_server
 from quantlab.config import MODEL_PATH_HINT, RunConfig, check_this_machine, validate
 from quantlab.errors import UserError
 from quantlab.resources import data_dir
@@ -92,6 +92,7 @@ def to_point(cfg: DictConfig) -> RunConfig:
     try:
         run_cfg = OmegaConf.to_object(cfg)
         validate(run_cfg)
+        run_cfg.scheme.weights = run_cfg.scheme.weights.for_model(run_cfg.model)
     except (ValueError, OmegaConfBaseException) as e:
         text = str(e)
         for key, hint in _REQUIRED.items():
@@ -118,6 +119,10 @@ def preflight(argv: list[str]) -> RunConfig:
     fails in one line with exit 2, not after a sweep's parent run is made;
     this machine's data directory and memory too, where the points run here
     (:func:`quantlab.config.check_this_machine`).
+    A single point whose model and weight scheme do not go together (a
+    checkpoint quantized elsewhere without ``scheme/weights=as-is``, or
+    ``as-is`` on a float model) is refused too; in a sweep that point is
+    skipped with the same reason.
     Returns the first point's typed config (its tracking settings start or
     check the store before anything else)."""
     from hydra import compose, initialize_config_dir
@@ -133,6 +138,10 @@ def preflight(argv: list[str]) -> RunConfig:
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise UserError(f"invalid config: {_one_line(e)}") from None
     point = to_point(cfg)
+    swept = "-m" in argv or "--multirun" in argv or any(o.is_sweep_override() for o in parsed) or \
+        any(a.lstrip("+").startswith("sweep=") for a in argv)
+    if not swept and (why := artifacts.mismatch(point)):  # in a sweep: that point is skipped with it
+        raise UserError(f"invalid config: {why}")
     check_launcher(argv, point.tracking.uri)
     if not {"hydra/launcher=ray", "hydra/launcher=slurm"} & {a.lstrip("+~") for a in argv}:  # else each node its own
         try:

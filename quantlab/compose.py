@@ -16,10 +16,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from quantlab import targets
-from quantlab.config import DecisionConfig, ModelConfig, ProbeConfig, RunConfig, SchemeConfig, TrackingConfig
+from quantlab.config import DecisionConfig, ModelConfig, ProbeConfig, ReferenceConfig, RunConfig, SchemeConfig, TrackingConfig
 from quantlab.schemes import registry
 
-_PLAIN = ("model", "probe", "tracking", "decision")  # dataclass slots: their fields alone
+_PLAIN = ("model", "reference", "probe", "tracking", "decision")  # dataclass slots: their fields alone
 _POLY = ("scheme", "target")  # polymorphic slots: their type name under "type"
 
 
@@ -92,7 +92,7 @@ def config_from_dict(d: dict[str, Any]) -> RunConfig:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
 
     rest = {k: v for k, v in d.items() if k not in _PLAIN + _POLY}
-    return RunConfig(model=typed(ModelConfig, d["model"]),
+    return RunConfig(model=typed(ModelConfig, d["model"]), reference=typed(ReferenceConfig, d.get("reference", {})),
                      scheme=SchemeConfig(weights=poly(d["scheme"]["weights"]), kv=poly(d["scheme"]["kv"])),
                      target=poly(d["target"]), probe=typed(ProbeConfig, d["probe"]),
                      tracking=typed(TrackingConfig, d["tracking"]),

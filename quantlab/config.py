@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Optional
 import psutil
 from omegaconf import MISSING
 
-from quantlab import metric_names, model_files
+from quantlab import artifacts, metric_names, model_files
 from quantlab.shapes import SHAPES
 
 
@@ -93,6 +93,42 @@ class ModelConfig:
         if self.source in ("hf", "gguf"):
             _validate_model_path(self)
             model_files.check_readable(self)
+
+
+@dataclass
+class ReferenceConfig:
+    """The model a point's accuracy probes compare against. Unset (``path``
+    and ``source`` null): the point's own model before its scheme. Set: a
+    separate float original, e.g. of a checkpoint quantized elsewhere
+    (``scheme/weights=as-is``): ``path`` a transformers directory or a
+    ``.gguf`` file (``source`` then inferred: ``hf`` or ``gguf``), or
+    ``source=smollm2`` (the offline SmolLM2 file)."""
+
+    source: Optional[str] = field(default=None, metadata={"choices": ("hf", "gguf", "smollm2")})
+    path: Optional[str] = None
+    revision: Optional[str] = None
+
+    @property
+    def given(self) -> bool:
+        return bool(self.path or self.source)
+
+    def model(self, point_model: "ModelConfig") -> "ModelConfig":
+        """The reference as a model config (``point_model`` itself when none is given)."""
+        if not self.given:
+            return point_model
+        source = self.source or ("gguf" if str(self.path).endswith(".gguf") else "hf")
+        name = {"smollm2": "smollm2-135m"}.get(source, str(self.path))
+        return ModelConfig(name=name, source=source, path=self.path, revision=self.revision)
+
+    def check(self, path: str) -> None:
+        if self.given:
+            ref = self.model(ModelConfig(name="-", source="tiny"))
+            if ref.source in ("hf", "gguf"):
+                try:
+                    _validate_model_path(ref)
+                    model_files.check_readable(ref)
+                except ValueError as e:
+                    raise ValueError(str(e).replace("model.path", "reference.path")) from None
 
 
 @dataclass
@@ -450,6 +486,7 @@ class RunConfig:
     """One sweep point: everything ``pipeline.run_point`` needs."""
 
     model: ModelConfig = MISSING
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     scheme: SchemeConfig = field(default_factory=SchemeConfig)
     target: Any = MISSING
     probe: ProbeConfig = MISSING
@@ -480,6 +517,7 @@ class RunConfig:
             raise ValueError(f"{asked} needs {need} tokens of context; target.{name}={ctx} holds fewer: "
                              f"raise target.{name} or shorten the probe")
         _check_decision_metric(self.decision.metric, self.probe)
+        artifacts.check(self)
 
 
 def check_this_machine(cfg: RunConfig) -> None:

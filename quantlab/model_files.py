@@ -61,30 +61,6 @@ def check_readable(cfg: Any) -> None:
         if missing:
             raise ValueError(f"model.path={cfg.path}: not a transformers model directory: it lacks "
                              f"{', '.join(missing)}")
-    if cfg.source == "hf" and (quantized := quantization(cfg)):
-        raise ValueError(f"model.path={cfg.path}: a checkpoint quantized elsewhere ({quantized}); quantlab would "
-                         f"load it as a float model and compare it with itself: give its unquantized original")
-
-
-def quantization(cfg: Any) -> str:
-    """What a transformers checkpoint's ``quantization_config`` says, in words
-    (``compressed-tensors pack-quantized, 4-bit weights, groups of 64``); empty
-    for an unquantized one, or when its ``config.json`` cannot be read here."""
-    q = (_hf_config(cfg) or {}).get("quantization_config")
-    if not isinstance(q, dict):
-        return ""
-    words = [str(q.get("quant_method", "unknown method")), *([str(q["format"])] if q.get("format") else [])]
-    weights = next((g.get("weights") or {} for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)),
-                   {})
-    bits = weights.get("num_bits") or q.get("bits") or (4 if q.get("load_in_4bit") else 8 if q.get("load_in_8bit")
-                                                        else None)
-    group = weights.get("group_size") or q.get("group_size")
-    out = " ".join(words)
-    if bits:
-        out += f", {bits}-bit {'float ' if weights.get('type') == 'float' else ''}weights"
-    if group and group > 0:
-        out += f", groups of {group}"
-    return out
 
 
 def context_length(cfg: Any) -> int | None:
@@ -141,20 +117,90 @@ def _gguf_header(path: str) -> tuple[int | None, int]:
     tensor infos, read as the format lays them out (arrays skipped): gguf-py's
     reader turns every array (the vocabulary) into numpy first, seconds on
     SmolLM2's file; tests/test_config_launch.py checks both against it."""
+    meta, tensors = _gguf_read(path)
+    ctx = meta.get(f"{meta.get('general.architecture')}.context_length")
+    return (int(ctx) if ctx is not None else None), sum(math.prod(dims) for _, dims, _ in tensors)
+
+
+def gguf_tensors(path: str) -> list[tuple[str, int, int, int]]:
+    """``(GGML type name, dimensions, weights, bytes)`` of each tensor of a
+    GGUF file, from its header (gguf-py's reader parses the whole vocabulary
+    first, seconds on a 49k-token file), bytes by gguf-py's block sizes."""
+    import gguf
+
+    out = []
+    for _, dims, type_id in _gguf_read(path)[1]:
+        kind = gguf.GGMLQuantizationType(type_id)
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        n = math.prod(dims)
+        out.append((kind.name, len(dims), n, n // block * size))
+    return out
+
+
+def gguf_type_mix(path: str) -> dict[str, float]:
+    """Share of a GGUF file's matrix weights (2-D tensors) per GGML type,
+    largest first: llama.cpp's per-tensor choices inside a quant mix."""
+    counts: dict[str, int] = {}
+    for kind, dims, n, _ in gguf_tensors(path):
+        if dims >= 2:
+            counts[kind] = counts.get(kind, 0) + n
+    total = sum(counts.values())
+    return {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def gguf_size(path: str) -> dict[str, float]:
+    """``size/weight_bytes``, ``size/weight_mb`` and ``size/bits_per_weight``
+    of a GGUF file's tensors, as :func:`quantlab.probes.size.weight_stats`
+    reports them for a model in memory."""
+    tensors = gguf_tensors(path)
+    n_bytes = float(sum(b for *_, b in tensors))
+    n = sum(w for _, _, w, _ in tensors)
+    return {"size/weight_bytes": n_bytes, "size/weight_mb": n_bytes / 2**20,
+            "size/bits_per_weight": 8.0 * n_bytes / max(n, 1)}
+
+
+def gguf_vocab_size(path: str) -> int | None:
+    """How many tokens a GGUF file's tokenizer holds (``tokenizer.ggml.tokens``)."""
+    n = _gguf_read(path)[0].get("tokenizer.ggml.tokens")
+    return int(n) if isinstance(n, GGUFArray) else None
+
+
+def gguf_matrix_types(path: str) -> tuple[int | None, dict[int, int]]:
+    """``(general.file_type, {GGML type id: weights})`` of a GGUF file: the
+    file type llama.cpp's quantizer recorded (None where absent) and how many
+    weights of its matrices (tensors of 2+ dimensions) each tensor type holds."""
+    meta, tensors = _gguf_read(path)
+    types: dict[int, int] = {}
+    for _, dims, ggml_type in tensors:
+        if len(dims) >= 2:
+            types[ggml_type] = types.get(ggml_type, 0) + math.prod(dims)
+    file_type = meta.get("general.file_type")
+    return (int(file_type) if file_type is not None else None), types
+
+
+def _gguf_read(path: str) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int]]]:
+    """A GGUF file's scalar metadata and its tensor infos ``(name, dims, GGML
+    type id)``, read once per path, size and modification time."""
+    st = Path(path).stat()
+    return _gguf_read_once(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _gguf_read_once(path: str, _size: int, _mtime_ns: int):
     with open(path, "rb") as f:
         _, _, n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
         meta = {}
         for _ in range(n_kv):
             key = _gguf_string(f)
             meta[key] = _gguf_value(f, struct.unpack("<I", f.read(4))[0])
-        elements = 0
+        tensors = []
         for _ in range(n_tensors):
-            _gguf_string(f)
+            name = _gguf_string(f)
             (dims,) = struct.unpack("<I", f.read(4))
-            elements += math.prod(struct.unpack(f"<{dims}Q", f.read(8 * dims)))
-            f.seek(12, 1)  # its type (u32) and data offset (u64)
-    ctx = meta.get(f"{meta.get('general.architecture')}.context_length")
-    return (int(ctx) if ctx is not None else None), elements
+            shape = struct.unpack(f"<{dims}Q", f.read(8 * dims))
+            ggml_type, _offset = struct.unpack("<IQ", f.read(12))
+            tensors.append((name, shape, ggml_type))
+    return meta, tensors
 
 
 def _gguf_string(f) -> str:
@@ -162,8 +208,12 @@ def _gguf_string(f) -> str:
     return f.read(n).decode("utf-8", errors="replace")
 
 
+class GGUFArray(int):
+    """A GGUF metadata array, skipped: its length alone."""
+
+
 def _gguf_value(f, vtype: int):
-    """One metadata value; an array is skipped (None)."""
+    """One metadata value; an array is skipped (its length, :class:`GGUFArray`)."""
     if vtype in _GGUF_SCALARS:
         fmt = "<" + _GGUF_SCALARS[vtype]
         return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
@@ -177,7 +227,7 @@ def _gguf_value(f, vtype: int):
     else:
         for _ in range(count):
             _gguf_value(f, item)
-    return None
+    return GGUFArray(count)
 
 
 def _hf_config(cfg: Any) -> dict | None:
@@ -195,9 +245,27 @@ def _hf_config(cfg: Any) -> dict | None:
     return json.loads(Path(path).read_text())
 
 
+# compressed-tensors' tensors beside a quantized weight: scales, zero points, shapes, not weights
+_CT_AUX = ("weight_scale", "weight_zero_point", "weight_global_scale", "weight_g_idx", "weight_shape",
+           "input_scale", "input_zero_point", "input_global_scale", "k_scale", "v_scale")
+
+
 def _safetensors_elements(path: Path) -> int:
-    """The number of elements a safetensors file holds, from its JSON header."""
+    """The number of weights a safetensors file holds, from its JSON header:
+    a compressed-tensors packed weight counts its unpacked shape (its
+    ``weight_shape`` tensor), its scales and zero points not at all."""
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
-    return sum(math.prod(info["shape"]) for name, info in header.items() if name != "__metadata__")
+        total = 0
+        for name, info in header.items():
+            if name == "__metadata__" or name.rsplit(".", 1)[-1] in _CT_AUX:
+                continue
+            if name.endswith(".weight_packed") and (shape := header.get(name[:-6] + "shape")):
+                start, end = shape["data_offsets"]
+                f.seek(8 + size + start)
+                dims = struct.unpack(f"<{(end - start) // 8}q", f.read(end - start))  # int64
+                total += math.prod(dims)
+                continue
+            total += math.prod(info["shape"])
+    return total

@@ -7,10 +7,12 @@ mtime), so later points load in well under a second instead of ~15 s.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,15 +78,37 @@ def _require_path(cfg: ModelConfig) -> Path:
 
 
 def _from_pretrained(path: str, dtype, revision=None, trust_remote_code=False):
+    """A transformers checkpoint; one that compressed-tensors quantized loads
+    decompressed (dense weights, exactly what its codes and scales give), with
+    ``model.quantlab_artifact`` its directory (``scheme/weights=as-is``
+    rebuilds its quantized layers from there)."""
+    extra = {}
+    local = Path(path).expanduser()
+    quantized = local.is_dir() and _compressed_tensors(local)
+    if quantized:
+        from transformers import CompressedTensorsConfig
+
+        extra["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`", category=UserWarning)
     try:
         tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code,
-            use_safetensors=None if trust_remote_code else True,
+            use_safetensors=None if trust_remote_code else True, **extra,
         )
     except OSError as e:
         raise UserError(f"cannot load model {path!r}: {str(e).splitlines()[0]}") from e
+    if quantized:
+        model.quantlab_artifact = local
     return model.eval(), tok
+
+
+def _compressed_tensors(folder: Path) -> bool:
+    config = folder / "config.json"
+    if not config.is_file():
+        return False
+    q = json.loads(config.read_text()).get("quantization_config")
+    return isinstance(q, dict) and q.get("quant_method") == "compressed-tensors"
 
 
 def _from_gguf(path: Path, cache_dir: str, dtype):

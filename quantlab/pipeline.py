@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from quantlab import models, point, provenance, targets, tracking
+from quantlab import artifacts, models, point, provenance, targets, tracking
 from quantlab.compose import config_dict
 from quantlab.config import RunConfig
 from quantlab.errors import UserError
@@ -169,6 +169,9 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
     _check_node(cfg)
     target = targets.get(cfg.target)
     weights, kv = cfg.scheme.weights, cfg.scheme.kv
+    if why := artifacts.mismatch(cfg):
+        log.warning("[%s] skipped: %s", name, why)
+        return "skipped", why
     verdict = target.supports(weights, kv)
     if not verdict.runnable:
         log.warning("[%s] skipped: %s", name, verdict.reason)
@@ -192,7 +195,7 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
                        "support": verdict.status, "support.reason": verdict.reason or "-",
                        "backend.weights": applied_w.backend, "backend.kv": applied_kv.backend,
                        **applied_w.tags, **applied_kv.tags, **qlinear.widened_tags(widened, compute)})
-        m.metrics.update(size.weight_stats(model, n_params))
+        m.metrics.update({**size.weight_stats(model, n_params), **applied_w.metrics})
         m.metrics["size/embedding_unread_bytes"] = size.embedding_unread_bytes(model, cfg.probe.latency.batch_size)
         with m.timed("engine"):
             engine = target.engine(model, applied_kv, tok)

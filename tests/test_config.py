@@ -69,7 +69,7 @@ def test_bad_float_dtype_is_rejected():
     (["model=hf"], "model=hf and model=gguf need model.path="),
     (["-m", "model=tiny", "scheme/weights=fp32,bf16", "probe.perplexity.window=1"],
      "probe.perplexity.window=1: must be >= 2"),
-    (["scheme/weights=int3"], "unknown scheme/weights 'int3'; valid: awq-g32"),
+    (["scheme/weights=int3"], "unknown scheme/weights 'int3'; valid: as-is, awq-g32"),
     (["target=llamacpp", "target.n_ctx=8"], "target.n_ctx=8: must be >= 16"),  # once refused inside the point
     (["target=vllm", "target.max_num_seqs=0"], "target.max_num_seqs=0: must be >= 1"),
     (["target=vllm", "target.max_model_len=256", "probe=smoke", "probe.fidelity.windows=1"],  # was a FAILED

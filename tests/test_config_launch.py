@@ -128,23 +128,25 @@ def test_paths_that_are_not_models_are_refused(tmp_path):
 @pytest.mark.parametrize("quantization_config, words", [
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "group_size": 64, "strategy": "group"}}}},
-     "compressed-tensors pack-quantized, 4-bit weights, groups of 64"),
+     "compressed-tensors pack-quantized: w4a16-g64"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
         "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
-     "compressed-tensors float-quantized, 8-bit float weights"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq, 4-bit weights, groups of 128"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes, 4-bit weights"),
+     "compressed-tensors float-quantized: fp8-a16"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq checkpoint"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes checkpoint"),
 ])
 def test_a_checkpoint_quantized_elsewhere_is_refused_not_measured_as_float(quantization_config, words, tmp_path):
     """Loaded as a float model, a quantized checkpoint would be logged as an
-    unquantized point compared with itself (KL 0, 32 bits a weight): refused
-    at launch, naming what its config says it is."""
+    unquantized point compared with itself (KL 0, 32 bits a weight): a
+    single point is refused at launch, naming what its config says it is and
+    how to measure it as itself (in a sweep it is a skipped point:
+    tests/test_artifacts.py)."""
     hf = _hf_dir(tmp_path, max_position_embeddings=256)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
     assert _refused(["model=hf", f"model.path={hf}", "probe=smoke"], tmp_path) == (
-        f"invalid config: model.path={hf}: a checkpoint quantized elsewhere ({words}); quantlab would load it as a "
-        f"float model and compare it with itself: give its unquantized original")
+        f"invalid config: model.path={hf} is quantized already ({words}): measure it as itself with "
+        f"scheme/weights=as-is reference.path=<its float original>")
 
 
 def test_a_data_directory_that_does_not_exist_is_refused(tmp_path):

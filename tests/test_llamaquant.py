@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantlab import models, point
+from quantlab import model_files, models, point
 from quantlab.export import gguf as gguf_export
 from quantlab.schemes.configs import LlamaQuantScheme
 from quantlab.schemes.llamaquant import importance
@@ -82,7 +82,7 @@ def test_llama_cpps_quantizer_takes_the_importance_matrix(tmp_path):
     plain, imat = (_dequantized(tmp_path / f, "blk.0.ffn_gate.weight") for f in ("plain.gguf", "imat.gguf"))
     even, odd = (lambda d: float(((d - w)[:, ::2] ** 2).mean())), (lambda d: float(((d - w)[:, 1::2] ** 2).mean()))
     assert even(imat) < 0.9 * even(plain) and odd(imat) > odd(plain), (even(imat), even(plain), odd(imat), odd(plain))
-    assert gguf_export.type_mix(tmp_path / "plain.gguf").keys() <= {"Q4_K", "Q6_K"}
+    assert model_files.gguf_type_mix(str(tmp_path / "plain.gguf")).keys() <= {"Q4_K", "Q6_K"}
 
 
 def test_a_gguf_menu_sweep_end_to_end(tmp_path, store):

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantlab import models
+from quantlab import model_files, models
 from quantlab.digest import private_tmp
 from quantlab.errors import UserError
 from quantlab.schemes.fplinear import MXLinear
@@ -304,9 +304,7 @@ def write(model: torch.nn.Module, tokenizer, dest: Path, source_gguf: Path | Non
 
 def tensor_bytes(path: Path) -> float:
     """Bytes of all tensors in a GGUF file: what a decode step reads from it."""
-    import gguf
-
-    return float(sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors))
+    return float(sum(b for *_, b in model_files.gguf_tensors(str(path))))
 
 
 def quantize(src: Path, dest: Path, quant: str, importance: dict[str, np.ndarray] | None = None,
@@ -340,29 +338,3 @@ def quantize(src: Path, dest: Path, quant: str, importance: dict[str, np.ndarray
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"llama.cpp's quantizer failed ({rc}) making {quant} from {src.name}")
     tmp.replace(dest)
-
-
-def type_mix(path: Path) -> dict[str, float]:
-    """Share of the file's matrix weights (2-D tensors) per GGML type,
-    largest first: llama.cpp's per-tensor choices inside a quant mix."""
-    import gguf
-
-    counts: dict[str, int] = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        if len(t.shape) >= 2:
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
-    total = sum(counts.values())
-    return {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
-
-
-def weight_stats(path: Path) -> dict[str, float]:
-    """``size/weight_bytes``, ``size/weight_mb`` and ``size/bits_per_weight``
-    of a GGUF file's tensors, as :func:`quantlab.probes.size.weight_stats`
-    reports them for a model in memory."""
-    import gguf
-
-    tensors = gguf.GGUFReader(str(path)).tensors
-    n_bytes = float(sum(int(t.n_bytes) for t in tensors))
-    n = sum(int(t.n_elements) for t in tensors)
-    return {"size/weight_bytes": n_bytes, "size/weight_mb": n_bytes / 2**20,
-            "size/bits_per_weight": 8.0 * n_bytes / max(n, 1)}

@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from quantlab import hardware, models, point, tracking
+from quantlab import hardware, model_files, models, point, tracking
 from quantlab.compose import config_from_dict
 from quantlab.config import RunConfig
 from quantlab.digest import sha256_file
@@ -230,7 +230,7 @@ def _ship_made_gguf(source: tracking.Run, cfg: RunConfig, gguf_type: str, out: P
     finally:
         tmp.unlink(missing_ok=True)
     manifest = {"source_run_id": source.id, "format": formats.format_name("gguf", {"type": gguf_type}),
-                "tensor_types": gguf.type_mix(out), "scheme": cfg.scheme.weights.to_dict(), "sha256": digest,
+                "tensor_types": model_files.gguf_type_mix(str(out)), "scheme": cfg.scheme.weights.to_dict(), "sha256": digest,
                 "measured_file": True, "versions": tracking.versions(("gguf", "llama_cpp_python", "quantlab"))}
     out.with_name(out.name + ".quantlab.json").write_text(json.dumps(manifest, indent=2, default=str))
     log.info("export: %s is the file run %s measured (%s, sha256 %s...)", out, source.id, gguf_type, digest[:12])

@@ -76,19 +76,33 @@ class ProbeContext:
         """``probe.plugins.<probe>`` of the config (empty when not given)."""
         return dict(self.cfg.probe.plugins.get(probe) or {})
 
+    def reference_model(self):
+        """The model config the accuracy probes compare against: ``reference``
+        where given (an artifact's float original), else the point's model."""
+        return self.cfg.reference.model(self.cfg.model)
+
     def reference_key(self) -> dict:
         """What identifies the reference model in its caches: the model and the reference precision."""
-        return {"model": dataclasses.asdict(self.cfg.model), "dtype": self.cfg.probe.fidelity.reference_dtype}
+        return {"model": dataclasses.asdict(self.reference_model()), "dtype": self.cfg.probe.fidelity.reference_dtype}
 
     def reference_engine(self):
-        """The unquantized model at the fidelity probe's reference precision, as an engine."""
+        """The unquantized model at the fidelity probe's reference precision,
+        as an engine. A separate reference must tokenize as the point does
+        (``UserError`` in one line otherwise: its log-probabilities would
+        be over other tokens)."""
         import torch
 
         from quantlab import models
         from quantlab.engines.pytorch import TorchEngine
+        from quantlab.errors import UserError
 
         dtype = getattr(torch, self.cfg.probe.fidelity.reference_dtype)
-        return TorchEngine(models.load(self.cfg.model, self.cfg.cache_dir, dtype)[0])
+        model, tok = models.load(self.reference_model(), self.cfg.cache_dir, dtype)
+        if self.cfg.reference.given and tok.get_vocab() != self.tokenizer.get_vocab():
+            raise UserError(f"reference {self.reference_model().name} tokenizes differently from the point's model "
+                            f"({len(tok.get_vocab())} against {len(self.tokenizer.get_vocab())} tokens): not its "
+                            "original")
+        return TorchEngine(model)
 
     def identical_to_reference(self) -> bool:
         """The fidelity probe found the point's log-probabilities equal to the

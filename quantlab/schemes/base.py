@@ -37,6 +37,15 @@ class _Scheme:
 @dataclass
 class WeightScheme(_Scheme):
     """Base of all weight-scheme configs. Subclasses add their knobs as fields."""
+    # True: the scheme keeps the quantization of a checkpoint made elsewhere (``as-is``), so the
+    # point's model must be such an artifact (quantlab.artifacts)
+    KEEPS_ARTIFACT: ClassVar[bool] = False
+
+    def for_model(self, model: Any) -> "WeightScheme":
+        """This scheme as it applies to the point's model config ``model``:
+        itself, unless the scheme reads something from the model's files
+        when the point is composed. ``ValueError`` in one line."""
+        return self
 
     def float_bytes(self) -> int:
         """Bytes per weight of the widest float copy a point of this scheme

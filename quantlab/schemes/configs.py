@@ -10,10 +10,11 @@ package names its own.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import yaml
 
@@ -380,6 +381,52 @@ class LlamaQuantScheme(WeightScheme):
 
     def float_bytes(self) -> int:
         return 4 if self.source_dtype == "float32" else 2
+
+
+@dataclass
+class AsIsScheme(WeightScheme):
+    """The quantization of the artifact in ``model.path``, kept as it was made
+    elsewhere (a compressed-tensors checkpoint, a GGUF quant) and measured
+    against ``reference`` (its float original); see :mod:`quantlab.artifacts`.
+    ``family``, ``label`` and ``kernel`` are read from the artifact's own
+    metadata when the point is composed (left empty, as a preset does);
+    a value given that differs from the artifact's is refused.
+    ``compute_dtype``: the activations' dtype on quantlab's int4/int8/FP8
+    modules (scales are kept in it, as for quantlab's own schemes); ``auto``:
+    the checkpoint's own (its config's ``dtype``), resolved with the rest."""
+    HANDLER: ClassVar[str] = "quantlab.schemes.asis"
+    LABEL: ClassVar[str] = "as-is"
+    KEEPS_ARTIFACT: ClassVar[bool] = True
+    compute_dtype: str = field(default="auto", metadata={"choices": ("auto", "bfloat16", "float16", "float32")})
+    family: str = field(default="", metadata={"choices": ("", "compressed-tensors", "gguf")})
+    label: str = ""
+    kernel: str = field(default="", metadata={"choices": ("", "int4", "int8", "int8-dyn", "fp8", "fp8-dyn",
+                                                          "dequantized", "llama.cpp")})
+
+    def short_name(self) -> str:
+        return f"as-is-{self.label.lower()}" if self.label else "as-is"
+
+    def for_model(self, model: Any) -> "AsIsScheme":
+        """``family``, ``label`` and ``kernel`` read from the artifact in
+        ``model.path``, an ``auto`` compute dtype made the checkpoint's own
+        (a GGUF's: float32, what gguf-py dequantizes to); a value given that
+        differs from the artifact's is a ``ValueError``. A model that is no
+        artifact (or one quantlab cannot read, refused with its reason by
+        :func:`quantlab.artifacts.check`) leaves the scheme as it is."""
+        from quantlab import artifacts
+
+        art = artifacts.read(model)
+        if art is None or art.unsupported:
+            return self
+        for key in ("family", "label", "kernel"):
+            if getattr(self, key) and getattr(self, key) != getattr(art, key):
+                raise ValueError(f"scheme.weights.{key}={getattr(self, key)}: the artifact {model.path} is "
+                                 f"{getattr(art, key)} ({art.description})")
+        return dataclasses.replace(self, family=art.family, label=art.label, kernel=art.kernel,
+                                   compute_dtype=artifacts.compute_dtype(model, self.compute_dtype))
+
+    def float_bytes(self) -> int:
+        return 4  # the artifact loads dequantized to float32 before its own modules replace the layers
 
 
 @dataclass

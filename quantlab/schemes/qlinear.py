@@ -326,6 +326,15 @@ class FP8Linear(KeptWeight):
         self.register_buffer("scale", scale)  # [N] fp32
         self.register_buffer("bias", None if bias is None else bias.to(compute_dtype))
 
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                   compute_dtype: torch.dtype, quantize_activations: bool = False) -> "FP8Linear":
+        """The module over FP8 ``codes`` ``[N, K]`` and per-channel ``scale``
+        ``[N]`` as a checkpoint stores them (its own, not recomputed)."""
+        mod = cls(torch.zeros(codes.shape), bias, codes.dtype, compute_dtype, quantize_activations)
+        mod.weight_fp8, mod.scale = codes.contiguous(), scale.float().contiguous()
+        return mod
+
     def make_weight(self) -> torch.Tensor:
         return self.weight_fp8.to(self.compute_dtype) * self.scale.to(self.compute_dtype)[:, None]
 

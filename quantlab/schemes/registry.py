@@ -68,6 +68,9 @@ class Applied:
     # llama.cpp's importance matrix: each Linear's mean squared input per column, by module name
     # (what ``llama-imatrix`` collects; the llama.cpp target hands it to its quantizer); empty: none
     importance: dict[str, Any] = field(default_factory=dict)
+    # what the point's size is when counted from an artifact's files (``size/*``, replacing the in-memory
+    # count: an artifact measured as-is); empty: counted from the model
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

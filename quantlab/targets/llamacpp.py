@@ -7,6 +7,9 @@ by content under ``target.gguf_cache`` (an unchanged point is not re-exported;
 a sidecar sha256 catches a corrupt entry), loads it once and every probe talks
 to :class:`~quantlab.engines.llamacpp.LlamaCppEngine`.
 
+A ``scheme/weights=as-is`` point over a GGUF quant made elsewhere runs that
+file unchanged (its sha256 is the point's ``gguf.sha256`` tag).
+
 A ``scheme/weights=gguf-*`` point (llama.cpp's own quant menu) is made by
 llama.cpp: the point's float weights are written as above, then llama.cpp's
 quantizer makes the type (with the point's importance matrix when it has one),
@@ -30,7 +33,7 @@ from typing import Any
 
 import torch
 
-from quantlab import hardware, point
+from quantlab import hardware, model_files, point
 from quantlab.targets.configs import LlamaCppTargetConfig
 from quantlab.engines.llamacpp import INSTALL, LlamaCppEngine, llama_cpp
 from quantlab.export import cache as export_cache
@@ -78,14 +81,20 @@ class LlamaCppTarget(Target):
         and its tensor types are the point's tags."""
         applied = super().apply_weights(model, weights, ctx)
         self._made = None
-        quant = (weights_handler(weights).mapping("gguf", weights).spec or {}).get("quantize")
+        spec = weights_handler(weights).mapping("gguf", weights).spec or {}
+        if spec.get("as_is"):  # a GGUF made elsewhere: the file itself, unchanged
+            path = Path(model.quantlab_gguf)
+            self._made = path, True, model_files.gguf_size(str(path))
+            return dataclasses.replace(applied, emulated=False, backend="llama.cpp (the file as made)", tags={
+                **applied.tags, gguf_export.MADE_FILE_TAG: path.name, gguf_export.MADE_SHA_TAG: sha256_file(path)})
+        quant = spec.get("quantize")
         if not quant:
             return applied
         t = time.perf_counter()
         path, reused = self._quantize(model, ctx.tokenizer, quant, applied.importance)
-        mix = gguf_export.type_mix(path)
+        mix = model_files.gguf_type_mix(str(path))
         self._made = path, reused, {"compile/gguf_quantize_s": time.perf_counter() - t,
-                                    **gguf_export.weight_stats(path)}
+                                    **model_files.gguf_size(str(path))}
         tags = {**applied.tags, point.GGUF_TYPES_TAG: ", ".join(f"{k} {v:.0%}" for k, v in mix.items()),
                 "imatrix": "yes" if applied.importance else "no",
                 gguf_export.MADE_FILE_TAG: path.name, gguf_export.MADE_SHA_TAG: sha256_file(path)}  # what its GGUF export ships
