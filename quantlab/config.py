@@ -27,7 +27,6 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
@@ -424,6 +423,34 @@ class ProbeConfig:
         if self.adaptive:
             self.perplexity.adaptive = self.accuracy.adaptive = True
 
+    def check(self, path: str) -> None:
+        """Each plugin probe's settings against the settings dataclass its
+        probe declares (:func:`plugin_settings`)."""
+        for name, given in self.plugins.items():
+            plugin_settings(name, given or {})
+
+
+def plugin_settings(name: str, given: dict) -> Any:
+    """``probe.plugins.<name>`` as its probe's declared settings dataclass
+    (each field checked by its rules, as every config's), the dict itself
+    where the probe declares none. ``ValueError`` in one line for a key it
+    does not have or a value its rules refuse."""
+    declared_by = next((p for p in metric_names.declared() if p.name == name), None)
+    if declared_by is None or declared_by.settings is None:
+        return dict(given)
+    cls = declared_by.settings
+    keys = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(given) - keys)
+    if unknown:
+        raise ValueError(f"probe.plugins.{name}.{unknown[0]}={given[unknown[0]]}: probe {name} has no such setting; "
+                         f"valid: {', '.join(sorted(keys))}")
+    try:
+        settings = cls(**given)
+    except TypeError as e:
+        raise ValueError(f"probe.plugins.{name}: {e}") from None
+    validate(settings, f"probe.plugins.{name}.")
+    return settings
+
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
 
@@ -476,7 +503,8 @@ class DecisionConfig:
             raise ValueError(f"{path}alpha={self.alpha}: an error rate, below 1")
         if not self.budgets:
             raise ValueError(f"{path}budgets=[]: at least one budget (relative losses, e.g. [0.01,0.05])")
-        if not self.metric.startswith(metric_names.KL) and any(b >= 1 for b in self.budgets):
+        spec = metric_names.spec(self.metric.removeprefix("recovery/"))
+        if not (spec is not None and spec.loss == "value") and any(b >= 1 for b in self.budgets):
             raise ValueError(f"{path}budgets={self.budgets}: relative losses, each in (0, 1) (a KL metric's "
                              f"budgets are KL values)")
 
@@ -558,32 +586,31 @@ def decision_metrics(p: ProbeConfig) -> list[tuple[str, str]]:
     if p.fidelity.enabled:
         found += [(re.escape(m), m) for m in metric_names.FIDELITY]
     if p.perplexity.enabled:
-        stem = f"{metric_names.TOKEN_ITEMS[0]}{p.perplexity.window}"
+        stem = f"{metric_names.PPL_STEM}{p.perplexity.window}"
         found.append((re.escape(stem) + r"(_(rand|first)\d+)?", f"{stem}[_rand<n>]"))
     if p.accuracy.enabled:
-        kinds = "|".join(re.escape(k) for k in (*metric_names.HIGHER_IS_BETTER, *metric_names.LOWER_IS_BETTER)
-                         if k.endswith("/"))
+        kinds = "|".join(re.escape(k) for k in (*metric_names.LM_EVAL_HIGHER, *metric_names.LM_EVAL_LOWER))
         found += [(f"({kinds}){re.escape(t)}(_\\w+)?", f"acc/{t} (acc_norm/, exact_match/...)")
                   for t in p.accuracy.tasks]
     if p.cache.enabled:
         found += [(re.escape(m), m) for m in metric_names.CACHE]
     if p.passkey.enabled:
         found.append((re.escape(metric_names.PASSKEY), metric_names.PASSKEY))
+    builtin = {s.name for s in metric_names.BUILTIN}
+    found += [(m.pattern, m.pattern) for s in metric_names.declared() if s.name not in builtin
+              for m in s.metrics if m.decision]  # another package's probes: as they declare them
     return found
 
 
 def _check_decision_metric(metric: str, p: ProbeConfig) -> None:
     """A declared ``decision.metric`` is ``auto`` or one the enabled probes
-    will log (``recovery/`` before it names the same metric). A name outside
-    the built-in probes' namespaces passes where another package registers
-    probes (their metrics are theirs to name)."""
+    will log (``recovery/`` before it names the same metric), or one another
+    package's probe declares a decision metric
+    (:mod:`quantlab.metric_names`); an undeclared metric is information
+    only and cannot decide."""
     name = metric.removeprefix("recovery/")
     known = decision_metrics(p)
     if name == "auto" or any(re.fullmatch(pattern, name) for pattern, _ in known):
-        return
-    ours = name.startswith((*metric_names.HIGHER_IS_BETTER, *metric_names.LOWER_IS_BETTER, "fid/", "kvfid/",
-                            "parity/", "lat/", "load/", "size/", "mem/", "kvpos/", "passkey/"))
-    if not ours and any(ep.dist is None or ep.dist.name != "quantlab" for ep in entry_points(group="quantlab.probes")):
         return
     valid = ", ".join(["auto", *(shown for _, shown in known)])
     raise ValueError(f"decision.metric={metric}: no enabled probe logs it; valid here: {valid}")

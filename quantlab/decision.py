@@ -30,7 +30,8 @@ import re
 from dataclasses import dataclass
 
 from quantlab import sequential, uncertainty
-from quantlab.metric_names import AUXILIARY, HIGHER_IS_BETTER, IDENTICAL, KL, LOWER_IS_BETTER, TOKEN_ITEMS
+from quantlab import metric_names
+from quantlab.metric_names import AUXILIARY, IDENTICAL
 from quantlab.uncertainty import Bound, Paired, paired
 
 
@@ -94,8 +95,11 @@ def compare(metric: str, items: dict, base_items: dict) -> Paired | None:
     pair = aligned(metric, items, base_items)
     if pair is None:
         return None
-    tokens = metric.startswith(TOKEN_ITEMS)
-    return paired(*pair, binary=metric.startswith(HIGHER_IS_BETTER), tokens=tokens,
+    spec = metric_names.spec(metric)
+    if spec is None or spec.direction == "info" or not spec.items:
+        return None
+    tokens = spec.items == "tokens"
+    return paired(*pair, binary=spec.direction == "higher", tokens=tokens,
                   windows=(windows_of(metric, len(pair[0])) or 1) if tokens else 0)
 
 
@@ -118,7 +122,7 @@ def logged_stderr(metrics: dict, metric: str) -> float | None:
     """The standard error a run logged beside ``metric``, on the scale the
     loss uses: of ln PPL for perplexities (``<metric>_ln_stderr``), else of
     the value itself (``acc_stderr/<task>``, ``fid/kl_mean_stderr``)."""
-    if metric.startswith(LOWER_IS_BETTER):
+    if metric_names.lower(metric) and metric_names.ranked(metric):
         return metrics.get(f"{metric}_ln_stderr")
     name, _, task = metric.partition("/")
     return metrics.get(f"{name}_stderr/{task}", metrics.get(f"{metric}_stderr"))
@@ -126,36 +130,31 @@ def logged_stderr(metrics: dict, metric: str) -> float | None:
 
 def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items: dict,
          is_base: bool = False) -> Loss | None:
-    """The point's loss on ``metric`` against the baseline; None if unmeasured.
-    ``is_base``: the point is the baseline (loss exactly 0, for metrics
-    measured against it)."""
+    """The point's loss on ``metric`` against the baseline; None if
+    unmeasured, or for a metric no probe declares a loss for (information
+    only: :mod:`quantlab.metric_names`). ``is_base``: the point is the
+    baseline (loss exactly 0, for metrics measured against it)."""
     metric = base_metric(metric)
-    v = metrics.get(metric)
-    if v is None:
+    v, spec = metrics.get(metric), metric_names.spec(metric)
+    if v is None or spec is None or spec.direction == "info":
         return None
-    if metric.startswith(KL + ("fid/top1_agree",)) and metrics.get(IDENTICAL) == 1.0:
+    if metric.startswith(metric_names.ZERO_WHEN_IDENTICAL) and metrics.get(IDENTICAL) == 1.0:
         return Loss(0.0, uncertainty.exact(0.0, "identical log-probabilities to the reference"), True)
-    if metric.startswith(KL):
-        se, m = metrics.get(f"{metric}_stderr"), int(metrics.get("fid/windows", 1))
-        if se is None:
-            return Loss(v, uncertainty.exact(v, "estimate only"), False)
-        return Loss(v, Bound(v, lambda a: uncertainty.unit_upper(v, se, m, a), _unit_text(m, "windows")), True)
-    if metric == "fid/top1_agree":
-        return _top1(v, metrics)
+    if spec.loss != "relative":  # against the reference: the point's own statistics
+        return _against_reference(metric, v, spec.loss, metrics)
     if is_base:
         return Loss(0.0, uncertainty.exact(0.0, "the baseline"), True)
     b = base_metrics.get(metric)
     if b is None or b <= 0 or v <= 0:
         return None
-    lower = metric.startswith(LOWER_IS_BETTER)
-    if metric.startswith(TOKEN_ITEMS) and (f"{metric}_adaptive_cap" in metrics
-                                          or f"{metric}_adaptive_cap" in base_metrics):
+    lower = spec.direction == "lower"
+    if spec.items == "tokens" and (f"{metric}_adaptive_cap" in metrics or f"{metric}_adaptive_cap" in base_metrics):
         return _sequential(metric, metrics, items, base_metrics, base_items)
-    if metric.startswith(HIGHER_IS_BETTER) and f"{metric}_adaptive_cap" in metrics:
+    if not lower and spec.items == "documents" and f"{metric}_adaptive_cap" in metrics:
         return _sequential_docs(metric, metrics, items, base_items, b)
     pair = compare(metric, items, base_items)
     if pair is not None and lower:  # mean per-item NLL difference = ln(PPL(point) / PPL(base))
-        if metric.startswith(TOKEN_ITEMS):
+        if spec.items == "tokens":
             upper, unit = uncertainty.unit_upper, _unit_text(pair.units, "windows")
         else:
             upper, unit = uncertainty.t_upper, f"t on {pair.units} documents"
@@ -177,6 +176,24 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
     else:
         bound = _clamp(lambda a: (b - v + uncertainty.z(a) * se) / b)
     return Loss(max(0.0, est), Bound(est, bound, "unpaired normal (no per-item values)"), True)
+
+
+def _against_reference(metric: str, v: float, kind: str, metrics: dict) -> Loss:
+    """The loss of a metric measured against the reference model: a
+    divergence (``value``: the metric itself, bounded by t on the windows of
+    its logged standard error) or an agreement (``complement``: 1 - it;
+    top-1 agreement by Wilson's score bound, :func:`_top1`). The windows are
+    ``<metric>_windows`` where the probe logs them, else the fidelity
+    probe's ``fid/windows``."""
+    if metric == "fid/top1_agree":
+        return _top1(v, metrics)
+    lost = v if kind == "value" else max(0.0, 1 - v)
+    se = metrics.get(f"{metric}_stderr")
+    m = int(metrics.get(f"{metric}_windows", metrics.get("fid/windows", 1)))
+    if se is None:
+        return Loss(lost, uncertainty.exact(lost, "estimate only"), False)
+    return Loss(lost, Bound(lost, _clamp(lambda a: uncertainty.unit_upper(lost, se, m, a)) if kind != "value" else
+                            (lambda a: uncertainty.unit_upper(lost, se, m, a)), _unit_text(m, "windows")), True)
 
 
 def _top1(agree: float, metrics: dict) -> Loss:

@@ -1,19 +1,141 @@
-"""What the built-in probes' metric names mean to a decision: which way is
-better, which are KL divergences, which are logged beside a metric rather
-than being one. Light (no imports), so a launch can check a declared
-decision metric before anything heavy loads; :mod:`quantlab.decision` reads
-the same tables."""
+"""What a probe's metrics mean, declared by the probe: which way is better,
+how a decision measures a loss against the baseline, what its per-item
+values are, whether it can be ``decision.metric``, and whether the report
+shows it as a column. The report and the decision read these declarations;
+a metric no probe declares is information only (shown, never ranked nor
+decided).
+
+Declarations are :class:`ProbeSpec` objects registered under the
+``quantlab.probe_specs`` entry points (quantlab's own: :data:`BUILTIN`), in
+modules light enough to import at launch (no torch): a launch checks a
+declared decision metric and a plugin probe's settings before anything heavy
+loads.
+"""
 from __future__ import annotations
 
-HIGHER_IS_BETTER = ("acc/", "acc_norm/", "exact_match/")
-LOWER_IS_BETTER = ("ppl_token_wikitext2_w", "perplexity/", "word_perplexity/", "byte_perplexity/",
-                   "bits_per_byte/")
-TOKEN_ITEMS = ("ppl_token_wikitext2_w",)  # per-item values are consecutive tokens, not documents
-KL = ("fid/kl", "kvfid/kl")
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+DIRECTIONS = ("higher", "lower", "info")
+LOSSES = ("relative", "value", "complement")
+ITEMS = ("", "documents", "tokens")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric (or a family of them: ``pattern`` is a regular expression
+    the whole name matches).
+
+    ``direction``: ``higher`` / ``lower`` is better, or ``info`` (shown, never
+    ranked). ``loss`` against the baseline: ``relative`` (``1 - point/base``
+    for higher, ``1 - base/point`` for lower: llm-compressor's recovery),
+    ``value`` (the metric itself, a divergence from the reference),
+    ``complement`` (``1 - value``, an agreement with the reference).
+    ``items``: what its per-item values (``ProbeResult.items[name]``) are,
+    ``documents`` (one score per document, paired with the baseline's by
+    ``doc_ids/<task>``; 0/1 scores are bounded by Tango's score bound) or
+    ``tokens`` (per-token NLL of windows, the window the unit); a metric
+    without them is bounded from the standard error logged beside it
+    (``<name>_stderr``). ``decision``: it may be ``decision.metric``.
+    ``column``: its header in the report's table (``{name}``: the metric's
+    own name), empty for none; ``fmt`` its format."""
+
+    pattern: str
+    direction: str = "info"
+    loss: str = "relative"
+    items: str = ""
+    decision: bool = False
+    column: str = ""
+    fmt: str = "{:.4g}"
+
+    def __post_init__(self) -> None:
+        for name, value, valid in (("direction", self.direction, DIRECTIONS), ("loss", self.loss, LOSSES),
+                                   ("items", self.items, ITEMS)):
+            if value not in valid:
+                raise ValueError(f"metric {self.pattern!r}: {name} {value!r}; valid: {', '.join(valid)}")
+        re.compile(self.pattern)
+
+    def matches(self, name: str) -> bool:
+        return re.fullmatch(self.pattern, name) is not None
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """A probe's declaration: its ``name`` (its section ``probe.plugins.<name>``
+    for a plugin), the dataclass of its ``settings`` (each field's
+    ``metadata`` rules checked as every config's; None: it takes none) and
+    its ``metrics``."""
+
+    name: str
+    metrics: tuple[MetricSpec, ...] = ()
+    settings: Any = None
+
+
 # logged beside a metric, not metrics
 AUXILIARY = ("_windows", "_documents", "_stderr", "_stderr_tokens", "_blocks", "_adaptive_cap", "_adaptive_chunk")
 IDENTICAL = "fid/identical"  # 1.0: the point's log-probabilities equal the reference's on every position
-# the fidelity and KV-cache probes' metrics a decision can bound (their standard errors are logged)
+ZERO_WHEN_IDENTICAL = ("fid/kl", "fid/top1_agree", "kvfid/kl")  # their loss is exactly 0 where IDENTICAL is 1.0
+PPL_STEM = "ppl_token_wikitext2_w"  # perplexity's name stem, then its window (and _rand<n> / _first<n>)
 FIDELITY = ("fid/kl_mean", "fid/top1_agree", "fid/kl_topk_lb_mean")
 CACHE = ("kvfid/kl_mean",)
 PASSKEY = "acc/passkey"
+LM_EVAL_HIGHER = ("acc/", "acc_norm/", "exact_match/")
+LM_EVAL_LOWER = ("perplexity/", "word_perplexity/", "byte_perplexity/", "bits_per_byte/")
+
+BUILTIN = (
+    ProbeSpec("fidelity", (
+        MetricSpec(r"fid/kl_mean|fid/kl_topk_lb_mean", "lower", "value", decision=True),
+        MetricSpec(r"fid/top1_agree", "higher", "complement", decision=True),
+    )),
+    ProbeSpec("cache", (MetricSpec(r"kvfid/kl_mean", "lower", "value", decision=True),)),
+    ProbeSpec("perplexity", (
+        MetricSpec(re.escape(PPL_STEM) + r"\d+(_(rand|first)\d+)?", "lower", items="tokens", decision=True,
+                   column="{name}"),
+    )),
+    ProbeSpec("accuracy", (  # lm-eval's metric kinds per task (the passkey probe logs acc/passkey)
+        MetricSpec(r"(acc|acc_norm)/.+", "higher", items="documents", decision=True, column="{name}", fmt="{:.3f}"),
+        MetricSpec(r"exact_match/.+", "higher", items="documents", decision=True),
+        MetricSpec(r"(perplexity|word_perplexity|byte_perplexity|bits_per_byte)/.+", "lower", items="documents",
+                   decision=True),
+    )),
+)
+
+
+@functools.cache
+def declared() -> tuple[ProbeSpec, ...]:
+    """Every probe's declaration: quantlab's own, then each package's
+    ``quantlab.probe_specs`` entry point (a ProbeSpec or a tuple of them)."""
+    from quantlab import plugins
+
+    out: list[ProbeSpec] = []
+    for name, value in plugins.load(plugins.PROBE_SPECS).items():
+        specs = value if isinstance(value, tuple) else (value,)
+        if not all(isinstance(s, ProbeSpec) for s in specs):
+            raise plugins.bad_value(plugins.PROBE_SPECS, name, "a quantlab.metric_names.ProbeSpec or a tuple of them")
+        out.extend(specs)
+    return tuple(out)
+
+
+def spec(name: str) -> MetricSpec | None:
+    """The declaration ``name`` matches (the first, quantlab's before
+    plugins'), None for a name logged beside a metric (its se, count) or one
+    no probe declares: information only."""
+    if name.endswith(AUXILIARY):
+        return None
+    return next((m for p in declared() for m in p.metrics if m.matches(name)), None)
+
+
+def higher(name: str) -> bool:
+    return (s := spec(name)) is not None and s.direction == "higher"
+
+
+def lower(name: str) -> bool:
+    return (s := spec(name)) is not None and s.direction == "lower"
+
+
+def ranked(name: str) -> bool:
+    """Higher or lower is better, with a loss relative to the baseline's (an
+    accuracy, a perplexity): the metrics a report compares point by point."""
+    return (s := spec(name)) is not None and s.direction != "info" and s.loss == "relative"

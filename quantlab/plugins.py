@@ -1,5 +1,6 @@
 """Extension points: classes registered under an entry-point group
-(``quantlab.probes``, ``quantlab.schemes``, ``quantlab.targets``), quantlab's
+(``quantlab.probes``, ``quantlab.probe_specs``, ``quantlab.schemes``,
+``quantlab.targets``), quantlab's
 own declared in its pyproject.toml the same way another package declares its
 own."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ from importlib.metadata import entry_points
 from quantlab.errors import UserError
 
 PROBES = "quantlab.probes"
+PROBE_SPECS = "quantlab.probe_specs"  # light declarations of probes' metrics and settings (quantlab.metric_names)
 SCHEMES = "quantlab.schemes"
 TARGETS = "quantlab.targets"
 
@@ -36,6 +38,11 @@ def load(group: str) -> dict[str, object]:
         raise UserError(f"no {group} from quantlab itself: its package metadata is not installed "
                         "(pip install -e . in the checkout)")
     return found
+
+
+def bad_value(group: str, name: str, expected: str) -> UserError:
+    """The error for an entry point in ``group`` whose object is not ``expected``."""
+    return UserError(f"{group} entry point {name!r}: it must name {expected}")
 
 
 def bad_name(group: str, name: str, expected: str) -> UserError:

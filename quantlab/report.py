@@ -7,7 +7,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from quantlab import decision, plots, point, scaling, serving_report, tracking, uncertainty
+from quantlab import decision, metric_names, plots, point, scaling, serving_report, tracking, uncertainty
 from quantlab.errors import UserError
 from quantlab.measurement import TIME_PREFIX
 from quantlab.pareto import Point, Recommendation, fastest_within, frontier
@@ -38,7 +38,7 @@ TIMED = ("lat/", "tput/", "load/")
 def stderr_of(metrics: dict[str, float], key: str) -> float | None:
     """The standard error logged beside ``key`` (absolute units), if any."""
     se = decision.logged_stderr(metrics, key)
-    if se is not None and key.startswith(decision.LOWER_IS_BETTER):
+    if se is not None and metric_names.lower(key) and metric_names.ranked(key):
         return metrics[key] * se  # delta method: se(PPL) = PPL * se(ln PPL)
     return se
 
@@ -65,10 +65,10 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
     With ``base`` and per-run ``items``, accuracy and perplexity cells whose
     paired difference from the baseline is not significant carry ``~``."""
     items = items or {}
+    shown = {k for _, k, _ in COLUMNS}
     extra = sorted({k for r in runs for k in r.data.metrics
-                    if k.startswith(("acc/", "acc_norm/", "ppl_token_wikitext2_w"))
-                    and not decision.auxiliary(k)})
-    columns = [*COLUMNS, *((k, k, "{:.4g}" if k.startswith("ppl") else "{:.3f}") for k in extra)]
+                    if k not in shown and (s := metric_names.spec(k)) is not None and s.column})
+    columns = [*COLUMNS, *((metric_names.spec(k).column.format(name=k), k, metric_names.spec(k).fmt) for k in extra)]
     if any("load/knee_rps" in r.data.metrics for r in runs):
         columns += [("capacity under SLOs req/s", "load/knee_rps", "{:.2f}"),
                     (f"capacity {uncertainty.LEVEL:.0%} lower bound", "load/knee_rps_lower", "{:.2f}")]
@@ -135,7 +135,7 @@ def paired_table(runs, base, items: dict) -> str:
     """Each point against the baseline on the same items: the difference, its
     standard error and p-value per accuracy/perplexity metric."""
     b_items = items.get(base.info.run_id, {})
-    keys = sorted(k for k in b_items if k.startswith((*decision.HIGHER_IS_BETTER, *decision.LOWER_IS_BETTER)))
+    keys = sorted(k for k in b_items if metric_names.ranked(k))
     lines = []
     for r in runs:
         if r.info.run_id == base.info.run_id or not tracking.done(r):
@@ -145,7 +145,7 @@ def paired_table(runs, base, items: dict) -> str:
             pair = decision.compare(k, items.get(r.info.run_id, {}), b_items)
             if pair is None:
                 continue
-            what = "ln PPL ratio" if k.startswith(decision.LOWER_IS_BETTER) else "diff"
+            what = "ln PPL ratio" if metric_names.lower(k) else "diff"
             mark = "" if pair.significant else f" {NOT_SIGNIFICANT}"
             cells.append(f"{k}: {what} {pair.diff:+.4f}±{pair.stderr:.4f} (p={pair.p_value:.2g}, n={pair.n}){mark}")
         if cells:
@@ -178,9 +178,11 @@ def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, flo
         b = base.get(key)
         if b is None or decision.auxiliary(key):
             continue
-        if key.startswith(decision.HIGHER_IS_BETTER) and b > 0:
+        if not metric_names.ranked(key):
+            continue
+        if metric_names.higher(key) and b > 0:
             out[f"recovery/{key}"] = value / b
-        elif key.startswith(decision.LOWER_IS_BETTER) and value > 0:
+        elif metric_names.lower(key) and value > 0:
             out[f"recovery/{key}"] = b / value
     return out
 
@@ -311,7 +313,7 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
     ranked = [dataclasses.replace(p, cost=sign * p.cost) for p in points(runs, metric, key, base, items)
               if by != "capacity" or p.cost > 0]
     mem = points(runs, metric, "size/weight_mb", base, items)
-    kl = metric.startswith(decision.KL)
+    kl = (s := metric_names.spec(metric)) is not None and s.loss == "value"
     n_real = len([p for p in ranked if not p.emulated])
     against = "" if kl or metric.startswith("fid/") or base is None else f" against {base.info.run_name}"
     lines = [f"Decision rule: loss on `{metric}`{against} = "
@@ -565,7 +567,8 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
             body += "\n" + extra + "\n"
     (out / "report.md").write_text(body)
     panels = {c: points(runs, metric, c, base, items) if recs else [] for c in ("lat/tpot_ms_p50", "size/weight_mb")}
-    label = metric if metric.startswith(decision.KL) else f"relative loss on {metric}"
+    label = metric if (s := metric_names.spec(metric)) is not None and s.loss == "value" else \
+        f"relative loss on {metric}"
     title = f"quantlab sweep {sweep}"
     if any(panels.values()):
         plots.png(panels, label, out / "pareto.png", title)

@@ -12,6 +12,8 @@ import shutil
 import pytest
 import torch
 
+from benchmarks import ct_artifact
+from benchmarks.ct_artifact import quantize
 from quantlab import artifacts, model_files, models, point
 from quantlab.cli import to_point
 from quantlab.probes import perplexity
@@ -21,65 +23,24 @@ from tests.conftest import SHARED_DATA, compose_cfg, run_cli, tracker
 
 pytest.importorskip("compressed_tensors")
 
-# name -> (weights args, input activation args or None, format)
-KINDS = {
-    "w4a16": (dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32), None, "pack-quantized"),
-    "w4a16-asym": (dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32), None,
-                   "pack-quantized"),
-    "w8a16": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"), None, "pack-quantized"),
-    "w8a8": (dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
-             dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True), "int-quantized"),
-    "fp8-dynamic": (dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
-                    dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True), "float-quantized"),
-    "w4a16-channel": (dict(num_bits=4, type="int", symmetric=True, strategy="channel"), None, "pack-quantized"),
-}
 EXPECTED = {  # label, kernel
-    "w4a16": ("w4a16-g32", "int4"), "w4a16-asym": ("w4a16-g32-asym", "int4"), "w8a16": ("w8a16", "int8"),
+    "w4a16-g32": ("w4a16-g32", "int4"), "w4a16-g32-asym": ("w4a16-g32-asym", "int4"), "w8a16": ("w8a16", "int8"),
     "w8a8": ("w8a8", "int8-dyn"), "fp8-dynamic": ("fp8-dynamic", "fp8-dyn"), "w4a16-channel": ("w4a16", "dequantized"),
 }
 
 
-def write_ct(dest, kind: str, seed: int = 0):
-    """The tiny model quantized by compressed-tensors (min-max scales from
-    its ``calculate_qparams``, compressed by its ``ModelCompressor``), LM
-    head left float, saved as llm-compressor saves a checkpoint."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    w_args, a_args, fmt = KINDS[kind]
-    model, tok = models.load(compose_cfg(["model=tiny", f"model.tiny.seed={seed}"]).model, "~/.cache/quantlab")
-    args = QuantizationArgs(**w_args)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args,
-                                input_activations=QuantizationArgs(**a_args) if a_args else None)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
-                                                        format=fmt, quantization_status="frozen"))
-    for _, m in model.named_modules():
-        if hasattr(m, "weight_scale"):
-            w = m.weight.data
-            g = w.reshape(w.shape[0], -1, args.group_size) if args.strategy == "group" else w[:, None, :]
-            scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), args)
-            m.weight_scale.data = scale.reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
-            if hasattr(m, "weight_zero_point"):
-                m.weight_zero_point.data = zp.reshape(m.weight_zero_point.shape).to(m.weight_zero_point.dtype)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
-    compressor.compress_model(model)
-    model.save_pretrained(dest)
-    compressor.update_config(str(dest))
-    tok.save_pretrained(dest)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def ct(tmp_path_factory):
-    """``{kind: directory}`` of every artifact above, plus ``float``: the
-    tiny model they were made from."""
+    """``{kind: directory}`` of every artifact above (written by
+    compressed-tensors as llm-compressor's RTN recipes write them:
+    benchmarks/ct_artifact.py), plus ``float``: the tiny model they were
+    made from."""
     root = tmp_path_factory.mktemp("artifacts")
     model, tok = models.load(compose_cfg(["model=tiny"]).model, "~/.cache/quantlab")
     model.save_pretrained(root / "float")
     tok.save_pretrained(root / "float")
-    return {"float": root / "float", **{k: write_ct(root / k, k) for k in KINDS}}
+    return {"float": root / "float", **{k: quantize(models.load(compose_cfg(["model=tiny"]).model, "~")[0], tok, k,
+                                                   root / k) for k in EXPECTED}}
 
 
 def _hf(path):
@@ -90,7 +51,7 @@ def test_metadata_names_each_artifact(ct):
     for kind, (label, kernel) in EXPECTED.items():
         art = artifacts.read(_hf(ct[kind]))
         assert (art.family, art.label, art.kernel, art.unsupported) == ("compressed-tensors", label, kernel, ""), kind
-        assert art.description.startswith(f"compressed-tensors {KINDS[kind][2]}: {label}") and "lm_head" in art.description
+        assert art.description.startswith(f"compressed-tensors {ct_artifact.KINDS[kind][2]}: {label}") and "lm_head" in art.description
     assert artifacts.read(_hf(ct["float"])) is None
 
 
@@ -101,8 +62,8 @@ def test_weights_counted_unpacked(ct):
     from quantlab.schemes.asis import checkpoint_size
 
     n_float = model_files.parameters(_hf(ct["float"]))
-    assert model_files.parameters(_hf(ct["w4a16"])) == n_float
-    bits = checkpoint_size(ct["w4a16"])["size/bits_per_weight"]
+    assert model_files.parameters(_hf(ct["w4a16-g32"])) == n_float
+    bits = checkpoint_size(ct["w4a16-g32"])["size/bits_per_weight"]
     float_share = sum(p.numel() for n, p in models.load(_hf(ct["float"]), "~")[0].named_parameters()
                       if "proj" not in n) / n_float
     # fp32 embeddings/head/norms, and 4 bits + one fp32 scale per 32 for the projections
@@ -121,7 +82,7 @@ def _as_is(path, ref, dtype="auto"):
     return cfg, model, dense, applied
 
 
-@pytest.mark.parametrize("kind,module", [("w4a16", Int4Linear), ("w4a16-asym", Int4Linear), ("w8a16", Int8Linear),
+@pytest.mark.parametrize("kind,module", [("w4a16-g32", Int4Linear), ("w4a16-g32-asym", Int4Linear), ("w8a16", Int8Linear),
                                          ("w8a8", Int8DynLinear), ("fp8-dynamic", FP8Linear)])
 def test_as_is_layers_hold_the_checkpoints_own_weights(ct, kind, module):
     """Each rebuilt layer multiplies by exactly the weight compressed-tensors
@@ -135,7 +96,7 @@ def test_as_is_layers_hold_the_checkpoints_own_weights(ct, kind, module):
     assert cfg.scheme.weights.short_name() == f"as-is-{EXPECTED[kind][0]}"
 
 
-@pytest.mark.parametrize("kind", ["w4a16-asym", "fp8-dynamic", "w8a8"])
+@pytest.mark.parametrize("kind", ["w4a16-g32-asym", "fp8-dynamic", "w8a8"])
 def test_as_is_logits_agree_with_plain_transformers(ct, kind):
     """Against transformers' own load of the checkpoint (compressed-tensors
     decompresses the weights and, for dynamic activations, quantizes each
@@ -147,12 +108,12 @@ def test_as_is_logits_agree_with_plain_transformers(ct, kind):
     _, model, _, _ = _as_is(ct[kind], ct["float"])
     plain = AutoModelForCausalLM.from_pretrained(
         ct[kind], dtype=torch.float32, **({"quantization_config": __import__("transformers").CompressedTensorsConfig(
-            dequantize=True)} if kind == "w4a16-asym" else {})).eval()  # the asymmetric compressed load is broken
+            dequantize=True)} if kind == "w4a16-g32-asym" else {})).eval()  # the asymmetric compressed load is broken
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         a, b = model(ids).logits.log_softmax(-1), plain(ids).logits.log_softmax(-1)
     kl = torch.nn.functional.kl_div(a, b, log_target=True, reduction="none").sum(-1).mean().item()
-    assert kl < {"w4a16-asym": 1e-9, "fp8-dynamic": 1e-6, "w8a8": 1e-3}[kind], kl
+    assert kl < {"w4a16-g32-asym": 1e-9, "fp8-dynamic": 1e-6, "w8a8": 1e-3}[kind], kl
 
 
 def test_bad_artifacts_are_refused_in_one_line(ct, tmp_path):
@@ -162,14 +123,14 @@ def test_bad_artifacts_are_refused_in_one_line(ct, tmp_path):
         assert "\n" not in str(e.value)
         return str(e.value)
 
-    base = ["model=hf", f"model.path={ct['w4a16']}", "scheme/weights=as-is"]
+    base = ["model=hf", f"model.path={ct['w4a16-g32']}", "scheme/weights=as-is"]
     assert "set reference.path=<the unquantized checkpoint>" in refused(base)
-    assert "is the artifact itself" in refused([*base, f"reference.path={ct['w4a16']}"])
+    assert "is the artifact itself" in refused([*base, f"reference.path={ct['w4a16-g32']}"])
     assert "is quantized too (compressed-tensors pack-quantized: w8a16" in refused(
         [*base, f"reference.path={ct['w8a16']}"])
     for key, value, words in (("kv_cache_scheme", {"num_bits": 8, "type": "float"}, "a quantized KV cache"),
                               ("quant_method", "gptq", "a gptq checkpoint: quantlab reads compressed-tensors")):
-        bad = shutil.copytree(ct["w4a16"], tmp_path / key)
+        bad = shutil.copytree(ct["w4a16-g32"], tmp_path / key)
         config = json.loads((bad / "config.json").read_text())
         config["quantization_config"][key] = value
         (bad / "config.json").write_text(json.dumps(config))
@@ -205,7 +166,7 @@ def test_an_artifact_beside_its_original_in_one_sweep(ct, store):
     equals plain transformers' on the same windows within the printed se."""
     if not (SHARED_DATA / "wikitext-2-raw").is_dir():
         pytest.skip("needs the WikiText-2 data (QUANTLAB_DATA_DIR)")
-    r = run_cli(["-m", f"model=hf", f"model.path={ct['float']},{ct['w4a16']}", "scheme/weights=fp32,as-is",
+    r = run_cli(["-m", f"model=hf", f"model.path={ct['float']},{ct['w4a16-g32']}", "scheme/weights=fp32,as-is",
                  f"reference.path={ct['float']}", "probe=smoke",
                  "probe.perplexity.enabled=true", "probe.perplexity.window=128", "probe.perplexity.max_windows=16",
                  "probe.perplexity.adaptive=false", "probe.latency.enabled=false",
@@ -226,11 +187,11 @@ def test_an_artifact_beside_its_original_in_one_sweep(ct, store):
         __import__("quantlab").model_files.parameters(_hf(ct["float"])))
     assert m["fid/kl_mean"] > 1e-5
     name = "ppl_token_wikitext2_w128_rand16"
-    tok = models.load(_hf(ct["w4a16"]), "~")[1]
+    tok = models.load(_hf(ct["w4a16-g32"]), "~")[1]
     wins, _ = perplexity.sample(tok, perplexity.wikitext2_text(str(SHARED_DATA)), 128, 16, 0)
     from transformers import AutoModelForCausalLM
 
-    plain = AutoModelForCausalLM.from_pretrained(ct["w4a16"], dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(ct["w4a16-g32"], dtype=torch.float32).eval()
     with torch.no_grad():
         logp = plain(wins).logits[:, :-1].log_softmax(-1)
     nll = -logp.gather(-1, wins[:, 1:, None]).squeeze(-1)

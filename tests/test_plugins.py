@@ -21,20 +21,24 @@ from tests.conftest import REPO
 PLUGIN = re.search(r"```python\n(.*?)\n```", (REPO / "docs" / "guides" / "probes.md").read_text(), re.S)[1]
 
 
-def _site(tmp_path, value: str = "quantlab_nonzero:NonzeroProbe", name: str = "nonzero"):
+def _site(tmp_path, value: str = "quantlab_nonzero:NonzeroProbe", name: str = "nonzero",
+          spec: str = "quantlab_nonzero:SPEC"):
     site = tmp_path / "site"
     (site / "quantlab_nonzero").mkdir(parents=True)
     (site / "quantlab_nonzero" / "__init__.py").write_text(textwrap.dedent(PLUGIN))
     info = site / "quantlab_nonzero-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: quantlab-nonzero\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[quantlab.probes]\n{name} = {value}\n")
+    (info / "entry_points.txt").write_text(f"[quantlab.probes]\n{name} = {value}\n"
+                                           f"[quantlab.probe_specs]\n{name} = {spec}\n")
     return site
 
 
 def _run(site, args, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(site)}
-    return subprocess.run([sys.executable, "-m", "quantlab", "model=tiny", "probe=smoke",
+    flags = [a for a in args if a.startswith("-")]
+    args = [a for a in args if not a.startswith("-")]
+    return subprocess.run([sys.executable, "-m", "quantlab", *flags, "model=tiny", "probe=smoke",
                            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.artifact_root={tmp_path}/art",
                            *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -52,12 +56,49 @@ def test_an_out_of_tree_probe_runs_in_a_point(tmp_path):
     assert "time/nonzero_s" in m and "fid/kl_mean" in m  # timed as its own stage; quantlab's probes still ran
     assert params["probe.plugins.nonzero.tol"] == "0.01"  # part of the point's config (and hash)
 
+    assert "nonzero/frac_stderr" in m
+
     # not asked for: not run
     out = _run(site, ["force=true"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id],
                               order_by=["attributes.start_time DESC"])
     assert "nonzero/frac" not in runs[0].data.metrics and "fid/kl_mean" in runs[0].data.metrics
+
+
+def test_a_plugin_probes_metric_is_a_report_column_and_decides_a_budget(tmp_path):
+    """The guide's probe declares ``nonzero/frac`` (higher is better, a
+    decision metric, a column): in a sweep that names it as the decision
+    metric, the report's table shows it and its decision section bounds
+    each point's loss on it, with no file in quantlab/ knowing its name."""
+    site = _site(tmp_path)
+    out = _run(site, ["-m", "scheme/weights=fp32,int8", "+probe.plugins.nonzero.tol=0.01",
+                      "decision.metric=nonzero/frac", "decision.budgets=[0.5]",
+                      "sweep_name=plugin"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("quantlab").experiment_id
+    (parent,) = [r for r in client.search_runs([exp]) if r.data.tags.get("quantlab.role") == "sweep"]
+    report = (tmp_path / "report.md")
+    client.download_artifacts(parent.info.run_id, "report.md", str(tmp_path))
+    text = report.read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| point"))
+    assert "| nonzero " in header, header
+    assert "loss on `nonzero/frac`" in text, text[:3000]
+    # int8 qualified: its loss has a bound (from the nonzero/frac_stderr both runs logged; one without never does)
+    assert "within 50% loss" in text and "2 qualified" in text, text[:4000]
+
+
+def test_a_plugin_probes_bad_setting_or_undeclared_metric_is_refused_in_one_line(tmp_path):
+    site = _site(tmp_path)
+    for args, words in ((["+probe.plugins.nonzero.tol=-1"], "probe.plugins.nonzero.tol=-1: must be >= 0"),
+                        (["+probe.plugins.nonzero.tolerance=0.1"],
+                         "probe.plugins.nonzero.tolerance=0.1: probe nonzero has no such setting; valid: tol"),
+                        (["decision.metric=nonzero/logprob"],
+                         "decision.metric=nonzero/logprob: no enabled probe logs it; valid here: auto")):
+        out = _run(site, args, tmp_path)
+        assert out.returncode == 2 and words in out.stderr, out.stderr[-2000:]
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_a_plugin_that_cannot_load_is_one_line_before_any_point(tmp_path):

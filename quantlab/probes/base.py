@@ -72,9 +72,13 @@ class ProbeContext:
         """One progress line, prefixed with the point's name."""
         log.info("[%s] " + message, self.name, *args)
 
-    def settings(self, probe: str) -> dict[str, Any]:
-        """``probe.plugins.<probe>`` of the config (empty when not given)."""
-        return dict(self.cfg.probe.plugins.get(probe) or {})
+    def settings(self, probe: str) -> Any:
+        """``probe.plugins.<probe>`` of the config: the settings dataclass
+        its probe declares (``quantlab.probe_specs``), filled and checked;
+        a dict (empty when not given) where it declares none."""
+        from quantlab.config import plugin_settings
+
+        return plugin_settings(probe, self.cfg.probe.plugins.get(probe) or {})
 
     def reference_model(self):
         """The model config the accuracy probes compare against: ``reference``
