@@ -168,7 +168,7 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
     est = 1 - b / v if lower else 1 - v / b
     se_p, se_b = logged_stderr(metrics, metric), logged_stderr(base_metrics, metric)
     if se_p is None or se_b is None:
-        return Loss(max(0.0, est), uncertainty.exact(max(0.0, est), "estimate only"), False)
+        return Loss(max(0.0, est), uncertainty.unbounded(max(0.0, est), "estimate only"), False)
     se = math.hypot(se_p, se_b)
     if lower:  # ln PPL difference, unpaired
         d = math.log(v / b)
@@ -191,7 +191,7 @@ def _against_reference(metric: str, v: float, kind: str, metrics: dict) -> Loss:
     se = metrics.get(f"{metric}_stderr")
     m = int(metrics.get(f"{metric}_windows", metrics.get("fid/windows", 1)))
     if se is None:
-        return Loss(lost, uncertainty.exact(lost, "estimate only"), False)
+        return Loss(lost, uncertainty.unbounded(lost, "estimate only"), False)
     return Loss(lost, Bound(lost, _clamp(lambda a: uncertainty.unit_upper(lost, se, m, a)) if kind != "value" else
                             (lambda a: uncertainty.unit_upper(lost, se, m, a)), _unit_text(m, "windows")), True)
 
@@ -207,7 +207,7 @@ def _top1(agree: float, metrics: dict) -> Loss:
     lost = max(0.0, 1 - agree)
     se, n = metrics.get("fid/top1_agree_stderr"), metrics.get("fid/tokens")
     if se is None or not n:
-        return Loss(lost, uncertainty.exact(lost, "estimate only"), False)
+        return Loss(lost, uncertainty.unbounded(lost, "estimate only"), False)
     m = int(metrics.get("fid/windows", 1))
     se_tok = metrics.get("fid/top1_agree_stderr_tokens", se)
     n_eff = n / max(1.0, (se / se_tok) ** 2) if se_tok > 0 else n

@@ -255,6 +255,13 @@ def exact(value: float, method: str) -> Bound:
     return Bound(value, lambda _alpha: value, method)
 
 
+def unbounded(value: float, method: str) -> Bound:
+    """An estimate with no bound (no standard error, no per-item values):
+    its upper bound is infinite at every level, so its p-value is 1 and no
+    budget is ever met on it, whoever asks."""
+    return Bound(value, lambda _alpha: math.inf, method)
+
+
 def holm(p_values: Sequence[float], alpha: float = 1.0 - LEVEL) -> list[bool]:
     """Holm's step-down rule: which hypotheses are rejected with the
     family-wise error rate at most ``alpha`` (any dependence)."""

@@ -86,7 +86,7 @@ def test_loss_upper_bound_from_paired_items():
     assert "paired t on 16 windows" == lo.bound.method
     assert lo.value == pytest.approx(1 - bm[key] / pm[key])  # same as the recovery definition
     unbounded = decision.loss(key, pm, {}, bm, {})  # no items, no standard errors: estimate only
-    assert not unbounded.bounded and unbounded.upper == unbounded.value
+    assert not unbounded.bounded and unbounded.upper == math.inf and unbounded.bound.p_value(0.99) == 1.0
     whole = "ppl_token_wikitext2_w2048"
     odd = decision.loss(whole, {whole: pm[key]}, {whole: list(point_nll)}, {whole: bm[key]},
                         {whole: list(base_nll)})  # items that are no whole windows
@@ -373,3 +373,16 @@ def test_wilson_bound_inverts_the_score_test_at_its_quantile(p, n, units, alpha)
     assert (up - p) / math.sqrt(up * (1 - up) / n) == pytest.approx(q, rel=1e-6)
     assert uncertainty.wilson_upper(p, n, 1 - alpha, units) <= p  # the lower side, so p-values bisect
     assert uncertainty.wilson_upper(p, n, alpha, 1) == 1.0  # one block: nothing to estimate the spread from
+
+
+def test_a_loss_without_a_bound_never_meets_a_budget_whoever_asks():
+    """No standard error and no per-item values: the loss is an estimate
+    alone, and its bound says so at every level (p = 1 at any budget), not
+    only where the report checks ``bounded``."""
+    from quantlab import decision
+
+    lo = decision.loss("fid/kl_mean", {"fid/kl_mean": 0.001}, {}, {}, {})
+    assert not lo.bounded and lo.value == 0.001
+    assert lo.bound.p_value(0.5) == 1.0 and lo.upper == float("inf")
+    lo = decision.loss("acc/x", {"acc/x": 0.5}, {}, {"acc/x": 0.5}, {})
+    assert not lo.bounded and lo.bound.p_value(0.9) == 1.0
