@@ -35,6 +35,8 @@ from typing import Any
 from quantlab import model_files
 
 FLOAT_GGML = ("F32", "F16", "BF16", "F64")
+# on a point whose model is a GGUF quant taken as a float model (its dequantized weights): what the file was
+DEQUANTIZED_TAG = "model.dequantized_from"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +145,18 @@ def _group(g: dict, fmt: str) -> tuple[str, str, str]:
     return label, "dequantized", ""
 
 
+def dequantized_from(cfg: Any) -> Artifact | None:
+    """The quantization a float model's weights were dequantized from: a
+    GGUF quant under a scheme other than ``as-is``, and ``model=smollm2-135m``,
+    quantlab's offline float model, which is its package's Q4_1 file
+    dequantized (to measure that file as itself: ``model=gguf
+    model.path=<the file>``)."""
+    if cfg.source == "smollm2" and (path := model_files.smollm2_gguf_path()) is not None:
+        return _gguf(path)
+    art = read(cfg)
+    return art if art is not None and art.family == "gguf" else None
+
+
 def vocab_size(cfg: Any) -> int | None:
     """The vocabulary a model's files declare (``config.json``'s
     ``vocab_size``, a GGUF's token list), None where they do not say."""
@@ -186,7 +200,7 @@ def check(run_cfg: Any) -> None:
         raise ValueError(f"model.path={model.path}: scheme/weights=as-is reads a local checkpoint directory "
                          f"(its tensors as stored): download it first (huggingface-cli download)")
     if not ref_cfg.given:
-        raise ValueError(f"scheme/weights=as-is measures {model.path} against its float original: set "
+        raise ValueError(f"scheme/weights=as-is measures {_named(model)} against its float original: set "
                          f"reference.path=<the unquantized checkpoint> (a directory or .gguf; or "
                          f"reference.source=smollm2)")
     ref = ref_cfg.model(model)
@@ -223,7 +237,7 @@ def mismatch(run_cfg: Any) -> str:
     another scheme over a transformers checkpoint quantized elsewhere (it
     would load dequantized and be compared with itself). A GGUF quant under
     another scheme stays what it was: a float model its dequantized weights
-    make (the offline SmolLM2 file is a Q4_1)."""
+    make (the offline SmolLM2 file is a Q4_1), tagged so (:data:`DEQUANTIZED_TAG`)."""
     as_is = run_cfg.scheme.weights.KEEPS_ARTIFACT
     art = read(run_cfg.model)
     if as_is and art is None:

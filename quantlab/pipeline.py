@@ -181,6 +181,8 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
         with m.timed("model"):
             model, tok = models.load(cfg.model, cfg.cache_dir)
         n_params = size.count_params(model)
+        if not weights.KEEPS_ARTIFACT and (art := artifacts.dequantized_from(cfg.model)) is not None:
+            m.tags[artifacts.DEQUANTIZED_TAG] = art.description  # e.g. SmolLM2's offline Q4_1
         log.info("[%s] applying %s (%s)", name, weights.short_name(), verdict.status)
         ctx = ApplyContext(hw=target.hardware(), tokenizer=tok, cache_dir=cfg.cache_dir,
                            data_dir=cfg.data_dir, seed=cfg.seed)

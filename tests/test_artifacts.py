@@ -241,6 +241,9 @@ def test_a_gguf_quant_is_read_and_dequantized_per_type_as_gguf_py_does(gguf_quan
     assert (art.family, art.label, art.kernel) == ("gguf", "Q4_K_M", "llama.cpp")
     assert art.description == "GGUF Q4_K_M: " + ", ".join(f"{k} {v:.0%}" for k, v in model_files.gguf_type_mix(str(q4)).items())
     assert artifacts.read(compose_cfg(["model=gguf", f"model.path={f16}"]).model) is None
+    smollm2 = compose_cfg(["model=smollm2-135m"]).model  # the offline float model: a Q4_1 file dequantized
+    assert artifacts.read(smollm2) is None
+    assert artifacts.dequantized_from(smollm2).description.startswith("GGUF Q4_1: Q4_1 ")
     cfg = to_point(compose_cfg(["model=gguf", f"model.path={q4}", "scheme/weights=as-is", f"reference.path={f16}"],
                                to_object=False))
     model, tok = models.load(cfg.model, cfg.cache_dir)
@@ -288,3 +291,19 @@ def test_a_gguf_quant_as_itself_on_llama_cpp_and_on_cpu(gguf_quant, store):
     kl = {k: x.data.metrics["fid/kl_mean"] for k, x in (("llama", on_llama), ("cpu", on_cpu))}
     assert kl["llama"] > 1e-4 and kl["cpu"] == pytest.approx(kl["llama"], rel=0.25), kl
     assert on_llama.data.metrics["parity/kl_mean"] < kl["llama"] / 10  # llama.cpp against the dequantized tensors
+    assert artifacts.DEQUANTIZED_TAG not in on_cpu.data.tags  # measured as itself
+
+
+def test_a_gguf_quant_under_another_scheme_is_tagged_as_dequantized(gguf_quant, store):
+    """A GGUF quant that a point takes as its float model (quantizing its
+    dequantized weights again) says so on the run."""
+    from quantlab.pipeline import run_point
+
+    _, q4 = gguf_quant
+    cfg = to_point(compose_cfg(["model=gguf", f"model.path={q4}", "scheme/weights=fp32", "probe=smoke",
+                                "probe.latency.enabled=false", "probe.cache.enabled=false", *store],
+                               to_object=False))
+    res = run_point(cfg)
+    assert res.outcome == "finished", res.reason
+    run = tracker(store[0].split("=", 1)[1]).client.get_run(res.run_id)
+    assert run.data.tags[artifacts.DEQUANTIZED_TAG].startswith("GGUF Q4_K_M: ")
