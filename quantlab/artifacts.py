@@ -73,7 +73,7 @@ def _gguf(path: Path) -> Artifact | None:
     if unknown:
         return Artifact("gguf", "?", f"GGUF with {', '.join(unknown)}", "llama.cpp",
                         f"GGUF tensor {', '.join(unknown)}: unknown to gguf-py {gguf.__name__} here")
-    mix = ", ".join(f"{k} {v:.0%}" for k, v in model_files.gguf_type_mix(str(path)).items())
+    mix = model_files.gguf_type_mix_text(str(path))
     known = {t.value: t.name for t in gguf.LlamaFileType}
     label = known.get(file_type, "").removeprefix("MOSTLY_") or max(names, key=names.get)
     readable = {t.name for t in _type_traits} | set(FLOAT_GGML)
@@ -215,9 +215,9 @@ def check(run_cfg: Any) -> None:
                          f"{a}: not its original (their log-probabilities cannot be compared)")
     ta, tb = tokenizer_vocab(model), tokenizer_vocab(ref)
     if ta is not None and tb is not None and ta != tb:
-        diff = sorted(set(ta.items()) ^ set(tb.items()))[:3]
+        diff = sorted(set(ta.items()) ^ set(tb.items()))
         raise ValueError(f"reference {_named(ref)} tokenizes differently from the artifact {model.path} "
-                         f"({len(set(ta.items()) ^ set(tb.items()))} token ids differ, e.g. {diff}): not its original")
+                         f"({len(diff)} token ids differ, e.g. {diff[:3]}): not its original")
 
 
 def compute_dtype(cfg: Any, asked: str) -> str:

@@ -192,8 +192,8 @@ def _against_reference(metric: str, v: float, kind: str, metrics: dict) -> Loss:
     m = int(metrics.get(f"{metric}_windows", metrics.get("fid/windows", 1)))
     if se is None:
         return Loss(lost, uncertainty.unbounded(lost, "estimate only"), False)
-    return Loss(lost, Bound(lost, _clamp(lambda a: uncertainty.unit_upper(lost, se, m, a)) if kind != "value" else
-                            (lambda a: uncertainty.unit_upper(lost, se, m, a)), _unit_text(m, "windows")), True)
+    upper = lambda a: uncertainty.unit_upper(lost, se, m, a)  # noqa: E731
+    return Loss(lost, Bound(lost, upper if kind == "value" else _clamp(upper), _unit_text(m, "windows")), True)
 
 
 def _top1(agree: float, metrics: dict) -> Loss:

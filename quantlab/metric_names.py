@@ -118,10 +118,11 @@ def declared() -> tuple[ProbeSpec, ...]:
     return tuple(out)
 
 
+@functools.cache
 def spec(name: str) -> MetricSpec | None:
     """The declaration ``name`` matches (the first, quantlab's before
     plugins'), None for a name logged beside a metric (its se, count) or one
-    no probe declares: information only."""
+    no probe declares: information only. Cached: the report asks per cell."""
     if name.endswith(AUXILIARY):
         return None
     return next((m for p in declared() for m in p.metrics if m.matches(name)), None)

@@ -122,8 +122,8 @@ def _gguf_header(path: str) -> tuple[int | None, int]:
     return (int(ctx) if ctx is not None else None), sum(math.prod(dims) for _, dims, _ in tensors)
 
 
-def gguf_tensors(path: str) -> list[tuple[str, int, int, int]]:
-    """``(GGML type name, dimensions, weights, bytes)`` of each tensor of a
+def gguf_tensors(path: str) -> list[tuple[str, int, int]]:
+    """``(GGML type name, weights, bytes)`` of each tensor of a
     GGUF file, from its header (gguf-py's reader parses the whole vocabulary
     first, seconds on a 49k-token file), bytes by gguf-py's block sizes."""
     import gguf
@@ -133,19 +133,24 @@ def gguf_tensors(path: str) -> list[tuple[str, int, int, int]]:
         kind = gguf.GGMLQuantizationType(type_id)
         block, size = gguf.GGML_QUANT_SIZES[kind]
         n = math.prod(dims)
-        out.append((kind.name, len(dims), n, n // block * size))
+        out.append((kind.name, n, n // block * size))
     return out
 
 
 def gguf_type_mix(path: str) -> dict[str, float]:
     """Share of a GGUF file's matrix weights (2-D tensors) per GGML type,
     largest first: llama.cpp's per-tensor choices inside a quant mix."""
-    counts: dict[str, int] = {}
-    for kind, dims, n, _ in gguf_tensors(path):
-        if dims >= 2:
-            counts[kind] = counts.get(kind, 0) + n
+    import gguf
+
+    counts = gguf_matrix_types(path)[1]
     total = sum(counts.values())
-    return {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+    return {gguf.GGMLQuantizationType(k).name: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def gguf_type_mix_text(path: str) -> str:
+    """:func:`gguf_type_mix` in words (``Q4_K 82%, Q6_K 18%``): a point's
+    ``gguf.types`` tag and an artifact's description."""
+    return ", ".join(f"{k} {v:.0%}" for k, v in gguf_type_mix(path).items())
 
 
 def gguf_size(path: str) -> dict[str, float]:
@@ -153,10 +158,25 @@ def gguf_size(path: str) -> dict[str, float]:
     of a GGUF file's tensors, as :func:`quantlab.probes.size.weight_stats`
     reports them for a model in memory."""
     tensors = gguf_tensors(path)
-    n_bytes = float(sum(b for *_, b in tensors))
-    n = sum(w for _, _, w, _ in tensors)
+    return _size(float(sum(b for _, _, b in tensors)), sum(w for _, w, _ in tensors))
+
+
+def safetensors_size(folder: Path) -> dict[str, float]:
+    """The same figures for a checkpoint directory's safetensors as stored
+    (scales and zero points included) per weight they hold (a packed weight
+    counted unpacked: :func:`_safetensors_elements`)."""
+    files = sorted(folder.glob("*.safetensors"))
+    n_bytes = 0.0
+    for f in files:
+        header, _ = _safetensors_header(f)
+        n_bytes += sum(info["data_offsets"][1] - info["data_offsets"][0] for key, info in header.items()
+                       if key != "__metadata__" and not key.endswith(".weight_shape"))
+    return _size(n_bytes, sum(_safetensors_elements(f) for f in files))
+
+
+def _size(n_bytes: float, weights: int) -> dict[str, float]:
     return {"size/weight_bytes": n_bytes, "size/weight_mb": n_bytes / 2**20,
-            "size/bits_per_weight": 8.0 * n_bytes / max(n, 1)}
+            "size/bits_per_weight": 8.0 * n_bytes / max(weights, 1)}
 
 
 def gguf_vocab_size(path: str) -> int | None:
@@ -254,18 +274,24 @@ def _safetensors_elements(path: Path) -> int:
     """The number of weights a safetensors file holds, from its JSON header:
     a compressed-tensors packed weight counts its unpacked shape (its
     ``weight_shape`` tensor), its scales and zero points not at all."""
+    header, data_start = _safetensors_header(path)
+    total = 0
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-        total = 0
         for name, info in header.items():
             if name == "__metadata__" or name.rsplit(".", 1)[-1] in _CT_AUX:
                 continue
             if name.endswith(".weight_packed") and (shape := header.get(name[:-6] + "shape")):
                 start, end = shape["data_offsets"]
-                f.seek(8 + size + start)
+                f.seek(data_start + start)
                 dims = struct.unpack(f"<{(end - start) // 8}q", f.read(end - start))  # int64
                 total += math.prod(dims)
                 continue
             total += math.prod(info["shape"])
     return total
+
+
+def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header and the offset its tensor data starts at."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size)), 8 + size

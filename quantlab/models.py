@@ -89,13 +89,14 @@ def _from_pretrained(path: str, dtype, revision=None, trust_remote_code=False):
         from transformers import CompressedTensorsConfig
 
         extra["quantization_config"] = CompressedTensorsConfig(dequantize=True)
-        warnings.filterwarnings("ignore", message="You passed `quantization_config`", category=UserWarning)
     try:
         tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code,
-            use_safetensors=None if trust_remote_code else True, **extra,
-        )
+        with warnings.catch_warnings():  # the checkpoint's own config is kept; only dequantize is ours
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`", category=UserWarning)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code,
+                use_safetensors=None if trust_remote_code else True, **extra,
+            )
     except OSError as e:
         raise UserError(f"cannot load model {path!r}: {str(e).splitlines()[0]}") from e
     if quantized:

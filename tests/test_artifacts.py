@@ -59,11 +59,10 @@ def test_weights_counted_unpacked(ct):
     """A packed int32 holds 8 weights: the count from the files' headers
     is the model's, not the packed tensors' element count."""
     from quantlab import model_files
-    from quantlab.schemes.asis import checkpoint_size
 
     n_float = model_files.parameters(_hf(ct["float"]))
     assert model_files.parameters(_hf(ct["w4a16-g32"])) == n_float
-    bits = checkpoint_size(ct["w4a16-g32"])["size/bits_per_weight"]
+    bits = model_files.safetensors_size(ct["w4a16-g32"])["size/bits_per_weight"]
     float_share = sum(p.numel() for n, p in models.load(_hf(ct["float"]), "~")[0].named_parameters()
                       if "proj" not in n) / n_float
     # fp32 embeddings/head/norms, and 4 bits + one fp32 scale per 32 for the projections

@@ -304,7 +304,7 @@ def write(model: torch.nn.Module, tokenizer, dest: Path, source_gguf: Path | Non
 
 def tensor_bytes(path: Path) -> float:
     """Bytes of all tensors in a GGUF file: what a decode step reads from it."""
-    return float(sum(b for *_, b in model_files.gguf_tensors(str(path))))
+    return float(sum(b for _, _, b in model_files.gguf_tensors(str(path))))
 
 
 def quantize(src: Path, dest: Path, quant: str, importance: dict[str, np.ndarray] | None = None,

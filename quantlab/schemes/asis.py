@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 from pathlib import Path
 
 import torch
@@ -53,14 +52,13 @@ def support(cfg: AsIsScheme, hw: Hardware) -> Support:
 def apply(model: torch.nn.Module, cfg: AsIsScheme, ctx: ApplyContext) -> Applied:
     if cfg.family == "gguf":
         path = Path(model.quantlab_gguf)
-        mix = model_files.gguf_type_mix(str(path))
         return Applied(backend="gguf-py dequantized (float32)", emulated=True, metrics=model_files.gguf_size(str(path)),
                        tags={"artifact": cfg.label, "artifact.file": path.name,
-                             point.GGUF_TYPES_TAG: ", ".join(f"{k} {v:.0%}" for k, v in mix.items())})
+                             point.GGUF_TYPES_TAG: model_files.gguf_type_mix_text(str(path))})
     folder = Path(model.quantlab_artifact)
     dtype = getattr(torch, cfg.compute_dtype)
     tags = {"artifact": cfg.label, "artifact.file": folder.name}
-    metrics = checkpoint_size(folder)
+    metrics = model_files.safetensors_size(folder)
     if cfg.kernel == "dequantized":
         return Applied(backend="compressed-tensors dequantized (float32)", emulated=True, tags=tags, metrics=metrics)
     tensors = _Tensors(folder)
@@ -138,25 +136,6 @@ class _Tensors:
 
     def get(self, key: str) -> torch.Tensor:
         return self._where[key].get_tensor(key)
-
-
-def checkpoint_size(folder: Path) -> dict[str, float]:
-    """``size/weight_bytes``, ``size/weight_mb`` and ``size/bits_per_weight``
-    of a checkpoint's safetensors as stored (scales and zero points
-    included) per weight it holds (a packed weight counted unpacked)."""
-    from quantlab.model_files import _safetensors_elements
-
-    files = sorted(folder.glob("*.safetensors"))
-    n_bytes = 0.0
-    for f in files:
-        with open(f, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        n_bytes += sum(info["data_offsets"][1] - info["data_offsets"][0] for key, info in header.items()
-                       if key != "__metadata__" and not key.endswith(".weight_shape"))
-    n = sum(_safetensors_elements(f) for f in files)
-    return {"size/weight_bytes": n_bytes, "size/weight_mb": n_bytes / 2**20,
-            "size/bits_per_weight": 8.0 * n_bytes / max(n, 1)}
 
 
 def gguf(cfg: AsIsScheme) -> Mapping:

@@ -84,7 +84,7 @@ class LlamaCppTarget(Target):
         spec = weights_handler(weights).mapping("gguf", weights).spec or {}
         if spec.get("as_is"):  # a GGUF made elsewhere: the file itself, unchanged
             path = Path(model.quantlab_gguf)
-            self._made = path, True, model_files.gguf_size(str(path))
+            self._made = path, True, dict(applied.metrics)  # the file's sizes, counted by the scheme
             return dataclasses.replace(applied, emulated=False, backend="llama.cpp (the file as made)", tags={
                 **applied.tags, gguf_export.MADE_FILE_TAG: path.name, gguf_export.MADE_SHA_TAG: sha256_file(path)})
         quant = spec.get("quantize")
@@ -92,10 +92,9 @@ class LlamaCppTarget(Target):
             return applied
         t = time.perf_counter()
         path, reused = self._quantize(model, ctx.tokenizer, quant, applied.importance)
-        mix = model_files.gguf_type_mix(str(path))
         self._made = path, reused, {"compile/gguf_quantize_s": time.perf_counter() - t,
                                     **model_files.gguf_size(str(path))}
-        tags = {**applied.tags, point.GGUF_TYPES_TAG: ", ".join(f"{k} {v:.0%}" for k, v in mix.items()),
+        tags = {**applied.tags, point.GGUF_TYPES_TAG: model_files.gguf_type_mix_text(str(path)),
                 "imatrix": "yes" if applied.importance else "no",
                 gguf_export.MADE_FILE_TAG: path.name, gguf_export.MADE_SHA_TAG: sha256_file(path)}  # what its GGUF export ships
         return dataclasses.replace(applied, tags=tags)
