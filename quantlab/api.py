@@ -71,7 +71,7 @@ def results(sweep: str = "latest", *, tracking_uri: str | None = None, experimen
     parent = tracker.find_sweep(sweep)
     runs, reused, tags, base, items = report.sweep_data(tracker, parent)
     said = report.declared(tags)
-    metric = report.decision_metric(runs, metric or (said[0] if said else "auto"))
+    metric = report.decision_metric(runs, metric or (said.metric if said else "auto"))
     rows = []
     for r in runs:
         is_base = base is not None and r.info.run_id == base.info.run_id
@@ -90,23 +90,33 @@ def results(sweep: str = "latest", *, tracking_uri: str | None = None, experimen
     frame = pandas.DataFrame(rows, columns=None if rows else list(FIRST))
     frame.attrs.update(sweep=tags.get(point.SWEEP_TAG, sweep), parent_run_id=parent, tracking_uri=uri,
                        experiment=experiment, metric=metric,
-                       budgets=tuple(said[1]) if said else report.DEFAULT_BUDGETS,
-                       alpha=said[2] if said else ALPHA)
+                       budgets=tuple(said.budgets) if said else report.DEFAULT_BUDGETS,
+                       alpha=said.alpha if said else ALPHA, decision=said,
+                       latency=report.latency_half(tracker, parent, tags, said, said.halves()[1] if said else 0.0))
     return frame
 
 
 def fastest_within(frame: pandas.DataFrame, budget: float, *, alpha: float | None = None,
                    cost: str = "lat/tpot_ms_p50", include_emulated: bool = False) -> pandas.Series | None:
-    """The row of the lowest-``cost`` point shown to lose less than
-    ``budget`` (Holm at family-wise ``alpha`` over the rows given that have
-    a loss and a cost: filter the frame first to decide among fewer), as
-    :func:`quantlab.pareto.fastest_within`; None when none is shown within.
-    ``alpha`` None: the sweep's declared one (``frame.attrs``), else 0.05."""
+    """The row of the point the report picks within ``budget`` among the
+    rows given that have a loss and a cost (filter the frame first to decide
+    among fewer): shown within it by closed testing at family-wise ``alpha``
+    over those rows and the sweep's budgets (:func:`quantlab.pareto.fastest_within`),
+    then the lowest ``cost``; for the TPOT, the re-timing's claim where the
+    sweep re-timed its candidates (:mod:`quantlab.retime`). None when none
+    is shown within. ``alpha`` None: the loss half's share of the sweep's
+    declared one (``frame.attrs``), else 0.05."""
+    from quantlab import report
     from quantlab.pareto import Point, fastest_within as decide
+    from quantlab.retime import claim
 
     if cost not in frame.columns:
         raise UserError(f"no column {cost!r} in this frame (a cost such as lat/tpot_ms_p50, size/weight_mb)")
-    alpha = alpha if alpha is not None else frame.attrs.get("alpha", ALPHA)
+    latency = frame.attrs.get("latency")
+    retimed = cost == "lat/tpot_ms_p50" and latency is not None and latency.retimed is not None
+    said = frame.attrs.get("decision")
+    if alpha is None:
+        alpha = (said.halves()[0] if retimed else said.alpha) if said is not None else frame.attrs.get("alpha", ALPHA)
     pts = {}
     for i, row in frame.iterrows():
         if math.isnan(row["loss"]) or row[cost] is None or math.isnan(row[cost]):
@@ -114,11 +124,18 @@ def fastest_within(frame: pandas.DataFrame, budget: float, *, alpha: float | Non
         bound = row["bound"]
         pts[i] = Point(row["point"], float(row[cost]), float(row["loss"]), bool(row["emulated"]),
                        bound.upper if bound is not None else None, bound.p_value if bound is not None else None,
-                       row["bound_method"], bool(row["contended"]))
-    rec = decide(list(pts.values()), budget, include_emulated, alpha)
+                       row["bound_method"], bool(row["contended"]),
+                       upper_at=bound.upper_at if bound is not None else None)
+    rec = decide(list(pts.values()), budget, include_emulated, alpha, budgets=frame.attrs.get("budgets", ()))
     if rec.point is None:
         return None
-    row = frame.loc[next(i for i, p in pts.items() if p is rec.point)]
+    name = rec.point.name
+    if retimed:
+        figure = report.TIE_BREAKS.get(latency.tie_break)
+        rank = {r["point"]: float(r.get(figure, math.inf)) if figure else math.inf for _, r in frame.iterrows()}
+        said_latency = claim([p.name for p in rec.qualified], latency.retimed, latency.alpha, latency.tie_break, rank)
+        name = said_latency.pick if said_latency is not None else name
+    row = frame.loc[next(i for i, p in pts.items() if p.name == name)]
     row.attrs = dict(frame.attrs)  # where it came from, for export()
     return row
 

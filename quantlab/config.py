@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Optional
 import psutil
 from omegaconf import MISSING
 
-from quantlab import artifacts, metric_names, model_files
+from quantlab import artifacts, metric_names, model_files, uncertainty
 from quantlab.shapes import SHAPES
 
 
@@ -491,22 +491,49 @@ class DecisionConfig:
     parent run records it at launch; a report or export with other choices
     says "post hoc"): ``metric`` (``auto``: perplexity where measured, else
     an accuracy, else top-1 agreement), ``budgets`` (relative losses, or KL
-    values for a KL metric) and ``alpha``, the family-wise error of each
-    budget's family (Holm over the real points compared at that budget)."""
+    values for a KL metric) and ``alpha``, the family-wise error of the
+    whole decision: the loss half (every real point at every budget,
+    :mod:`quantlab.pareto`) and the latency half ("fastest", from the
+    qualified points re-timed side by side at the end of the sweep,
+    :mod:`quantlab.retime`), split Bonferroni-wise: ``latency_share`` of it
+    to the latency half. ``retime_rounds``: interleaved rounds of one
+    request per candidate (0: no re-timing; "fastest" is then the point
+    estimate, untested, and the loss half gets all of ``alpha``);
+    ``retime_points``: at most this many candidates, the fastest qualified
+    by estimate; ``tie_break``: which of the points the re-timing cannot
+    separate from the fastest is the pick (``size``: least weight memory,
+    ``bits``: fewest bits per weight, ``latency``: the fastest estimate)."""
 
     metric: str = "auto"
     budgets: list[float] = field(default_factory=lambda: [0.01, 0.05], metadata={"above": 0})
     alpha: float = field(default=0.05, metadata={"above": 0})
+    latency_share: float = field(default=0.5, metadata={"above": 0})
+    retime_rounds: int = field(default=12, metadata={"min": 0})
+    retime_points: int = field(default=4, metadata={"min": 2})
+    tie_break: str = field(default="size", metadata={"choices": ("size", "bits", "latency")})
 
     def check(self, path: str) -> None:
         if not self.alpha < 1:
             raise ValueError(f"{path}alpha={self.alpha}: an error rate, below 1")
+        if not self.latency_share < 1:
+            raise ValueError(f"{path}latency_share={self.latency_share}: the latency half's share of alpha, "
+                             f"in (0, 1)")
+        if 0 < self.retime_rounds < uncertainty.MIN_UNITS:
+            raise ValueError(f"{path}retime_rounds={self.retime_rounds}: 0 (no re-timing) or at least "
+                             f"{uncertainty.MIN_UNITS} rounds (the round is the unit of the latency bound)")
         if not self.budgets:
             raise ValueError(f"{path}budgets=[]: at least one budget (relative losses, e.g. [0.01,0.05])")
         spec = metric_names.spec(self.metric.removeprefix("recovery/"))
         if not (spec is not None and spec.loss == "value") and any(b >= 1 for b in self.budgets):
             raise ValueError(f"{path}budgets={self.budgets}: relative losses, each in (0, 1) (a KL metric's "
                              f"budgets are KL values)")
+
+    def halves(self) -> tuple[float, float]:
+        """``(loss alpha, latency alpha)``: the split of ``alpha`` (all of it
+        to the loss half without re-timing)."""
+        if not self.retime_rounds:
+            return self.alpha, 0.0
+        return self.alpha * (1 - self.latency_share), self.alpha * self.latency_share
 
 
 @dataclass

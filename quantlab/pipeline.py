@@ -15,6 +15,7 @@ sweep) goes on with the next one.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import signal
@@ -34,7 +35,7 @@ from quantlab.export import state as quantized_state
 from quantlab.measurement import Measurement
 from quantlab.probes import runner, size
 from quantlab.schemes import qlinear
-from quantlab.schemes.registry import ApplyContext, kv_handler, weights_handler
+from quantlab.schemes.registry import Applied, ApplyContext, kv_handler, weights_handler
 
 log = logging.getLogger("quantlab")
 
@@ -176,6 +177,25 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
     if not verdict.runnable:
         log.warning("[%s] skipped: %s", name, verdict.reason)
         return "skipped", verdict.reason
+    with built(cfg, name, m, target=target) as (engine, model, tok, target):
+        runner.run(dict(cfg=cfg, name=name, engine=engine, tokenizer=tok, model=model,
+                        serves_export=target.serves_export), m)
+    log.info("[%s] done: %s", name, _headline(m.metrics))
+    return "finished", ""
+
+
+@contextlib.contextmanager
+def built(cfg: RunConfig, name: str, m: Measurement, state: str | None = None, target=None):
+    """``(engine, model, tokenizer, target)`` of a point the target supports,
+    closed on exit: load, [calibrate], weight scheme, KV scheme, engine, with
+    what each step says recorded in ``m``. ``state``: the sha256 of the
+    quantized model the point kept (:mod:`quantlab.export.state`): on a
+    target that runs the model itself, that model when the cache still
+    holds it, instead of quantizing (and calibrating) again. ``target``:
+    the point's target where the caller made it already."""
+    target = target or targets.get(cfg.target)
+    weights, kv = cfg.scheme.weights, cfg.scheme.kv
+    verdict = target.supports(weights, kv)
     with target.session():
         log.info("[%s] loading model %s", name, cfg.model.name)
         with m.timed("model"):
@@ -183,13 +203,19 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
         n_params = size.count_params(model)
         if not weights.KEEPS_ARTIFACT and (art := artifacts.dequantized_from(cfg.model)) is not None:
             m.tags[artifacts.DEQUANTIZED_TAG] = art.description  # e.g. SmolLM2's offline Q4_1
-        log.info("[%s] applying %s (%s)", name, weights.short_name(), verdict.status)
         ctx = ApplyContext(hw=target.hardware(), tokenizer=tok, cache_dir=cfg.cache_dir,
                            data_dir=cfg.data_dir, seed=cfg.seed)
+        kept = quantized_state.load(cfg.cache_dir, state)[0] if state and not target.serves_export else None
         with m.timed("apply"):  # calibration included
-            applied_w = target.apply_weights(model, weights, ctx)
-            if weights.calibration_set() is not None and weights_handler(weights).mapping("checkpoint", weights).ok:
-                m.tags.update(quantized_state.keep(model, cfg.cache_dir))  # what its export writes
+            if kept is not None:
+                log.info("[%s] the quantized model it kept (sha256 %s...)", name, state[:12])
+                model, applied_w = kept, Applied("kept quantized state", emulated=False)
+            else:
+                log.info("[%s] applying %s (%s)", name, weights.short_name(), verdict.status)
+                applied_w = target.apply_weights(model, weights, ctx)
+                if weights.calibration_set() is not None and \
+                        weights_handler(weights).mapping("checkpoint", weights).ok:
+                    m.tags.update(quantized_state.keep(model, cfg.cache_dir))  # what its export writes
             applied_kv = kv_handler(kv).apply(model, kv, ctx)
         compute = model.get_input_embeddings().weight.dtype
         widened = qlinear.widen(model, compute)
@@ -205,12 +231,9 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
             m.metrics.update({"compile/warmup_s": engine.ready_s,
                               "compile/enabled": float(bool(getattr(cfg.target, "compile", False))),
                               **engine.metrics})
-            runner.run(dict(cfg=cfg, name=name, engine=engine, tokenizer=tok, model=model,
-                            serves_export=target.serves_export), m)
+            yield engine, model, tok, target
         finally:
             engine.close()
-    log.info("[%s] done: %s", name, _headline(m.metrics))
-    return "finished", ""
 
 
 def _check_node(cfg: RunConfig) -> None:

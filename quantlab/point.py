@@ -39,7 +39,8 @@ CREATE_KEY_TAG = "quantlab.create_key"  # one per Tracker.start call: finds the 
 BASELINE_TAG = "recovery.baseline"  # on the parent: the run name the sweep compared against
 RECOMMENDED_BY_TAG = "recommended.by"  # on the parent: the objective of the budget picks
 # on the parent, written at launch: the decision declared before any point ran (decision.metric/budgets/alpha)
-DECLARED_TAGS = {"metric": "declared.metric", "budgets": "declared.budgets", "alpha": "declared.alpha"}
+DECLARED_TAGS = {k: f"declared.{k}" for k in ("metric", "budgets", "alpha", "latency_share", "retime_rounds",
+                                               "retime_points", "tie_break")}
 # on a child: its latency or load timing shared the cores with other processes (the value says how much)
 CONTENDED_TAG = "load.warning"
 

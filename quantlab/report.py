@@ -7,7 +7,8 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from quantlab import decision, metric_names, plots, point, scaling, serving_report, tracking, uncertainty
+from quantlab import decision, metric_names, plots, point, retime, scaling, serving_report, tracking, uncertainty
+from quantlab.config import DecisionConfig
 from quantlab.errors import UserError
 from quantlab.measurement import TIME_PREFIX
 from quantlab.pareto import Point, Recommendation, fastest_within, frontier
@@ -190,6 +191,7 @@ def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, flo
 # --- decision report -------------------------------------------------------
 
 DEFAULT_BUDGETS = (0.01, 0.05)
+SKIPPED_TAG = "retime.skipped"  # on a sweep parent: why nothing was re-timed (quantlab.retiming)
 # What a budget's pick maximises: (metric, sign so that lower cost wins, words, unit).
 OBJECTIVES = {"tpot": ("lat/tpot_ms_p50", 1.0, "the lowest decode TPOT P50", "ms/token"),
               "capacity": ("load/knee_rps_lower", -1.0, "the highest capacity under the SLOs (the lower bound "
@@ -239,14 +241,20 @@ def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -
             out.append(Point(r.info.run_name, m[cost], lo.value, r.data.tags.get(point.EMULATED_TAG) == "true",
                              lo.upper if lo.bounded else None, lo.bound.p_value if lo.bounded else None,
                              lo.bound.method, point.CONTENDED_TAG in r.data.tags,
-                             (m[span[0]], m[span[1]]) if span and set(span) <= m.keys() else None))
+                             (m[span[0]], m[span[1]]) if span and set(span) <= m.keys() else None,
+                             lo.bound.upper_at if lo.bounded else None))
     return out
 
 
-def _loss_text(p: Point) -> str:
+def _loss_text(p: Point, level: float | None = None) -> str:
+    """The loss and its one-sided bound at ``level``, the error its test
+    used (None: the 95 % bound)."""
     if p.loss_upper is None:
         return f"{p.loss:.3g} (no uncertainty logged: estimate only)"
-    return f"{p.loss:.3g} (95% one-sided upper bound {p.loss_upper:.3g}; {p.method})"
+    if level is None:
+        return f"{p.loss:.3g} (95% one-sided upper bound {p.loss_upper:.3g}; {p.method})"
+    return f"{p.loss:.3g} (one-sided upper bound {p.bound_at(level):.3g} at error {level:.3g}, the level its " \
+           f"test used; {p.method})"
 
 
 # what would separate schemes an engine's per-step overhead hides, by the points' target
@@ -297,13 +305,36 @@ def objective(runs, choice: str = "auto") -> str:
     return choice
 
 
+def loss_half(runs, base, items: dict, said) -> dict[float, Recommendation]:
+    """Per budget of decision ``said`` (a :class:`quantlab.config.DecisionConfig`),
+    the points shown within it on its metric, by decode TPOT: what the
+    re-timing takes its candidates from (:mod:`quantlab.retiming`)."""
+    metric = decision_metric(runs, said.metric)
+    pts = points(runs, metric, OBJECTIVES["tpot"][0], base, items)
+    return {b: fastest_within(pts, b, alpha=said.halves()[0], budgets=said.budgets) for b in said.budgets}
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyHalf:
+    """What "fastest" rests on: the re-timing (None: not re-timed, ``why``),
+    its share of the error and the declared tie-break."""
+
+    retimed: retime.Retimed | None = None
+    alpha: float = 0.0
+    tie_break: str = "latency"
+    why: str = "decision.retime_rounds=0"
+
+
 def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | None = None, by: str = "tpot",
-           alpha: float = uncertainty.ALPHA, post_hoc: dict[float, str] | None = None
-           ) -> tuple[str, dict[float, Recommendation]]:
-    """Markdown: the decision rule, frontiers and, per budget, the real point
-    shown within it (Holm at family-wise ``alpha`` over the real points
-    compared at that budget) that is best by objective ``by``
-    (:data:`OBJECTIVES`: lowest TPOT, or highest capacity under the SLOs).
+           alpha: float = uncertainty.ALPHA, post_hoc: dict[float, str] | None = None,
+           latency: LatencyHalf = LatencyHalf()) -> tuple[str, dict[float, Recommendation]]:
+    """Markdown: the decision rule, frontiers and, per budget, the pick.
+    The loss half: the real points shown within the budget by closed testing
+    over every real point and budget at family-wise ``alpha``
+    (:func:`quantlab.pareto.fastest_within`). The latency half (objective
+    ``tpot``): the re-timed candidates' claim (:func:`quantlab.retime.claim`
+    at ``latency.alpha``), else the least TPOT P50 by estimate, untested;
+    objective ``capacity``: the highest capacity by estimate.
     ``post_hoc``: budget -> why its pick was not declared at launch (said
     beside it)."""
     post_hoc = post_hoc or {}
@@ -316,16 +347,26 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
     kl = (s := metric_names.spec(metric)) is not None and s.loss == "value"
     n_real = len([p for p in ranked if not p.emulated])
     against = "" if kl or metric.startswith("fid/") or base is None else f" against {base.info.run_name}"
+    retimed = by == "tpot" and latency.retimed is not None
+    untested = "not re-timed: " + latency.why if by == "tpot" else "a capacity is not re-timed"
     lines = [f"Decision rule: loss on `{metric}`{against} = "
              + ("the KL value" if kl else "1 - top-1 agreement" if metric == "fid/top1_agree" else
                 "1 - point/baseline (perplexity: 1 - baseline/point)")
-             + f"; a point meets a budget when \"loss >= budget\" is rejected by Holm's step-down rule over the "
-               f"{n_real} real points compared (family-wise error <= {alpha:g} per budget: each budget is its own "
-               f"family of {n_real} hypotheses, so across the {len(budgets)} budgets up to {len(budgets)} x "
-               f"{alpha:g}; each bound printed one-sided {uncertainty.LEVEL:.0%}, paired over the same "
-               f"items where both runs logged them, its unit and method beside it; a loss with no bound, or "
-               f"fewer than {uncertainty.MIN_UNITS} units, never qualifies); among those, {words} wins. "
-               f"`{NOT_SIGNIFICANT}` marks are per comparison (not corrected for multiplicity).", ""]
+             + f"; a point meets a budget when \"loss >= budget\" is rejected by closed testing over the "
+               f"{n_real} real points and the {len(budgets)} budget{'s' if len(budgets) > 1 else ''} together "
+               f"(Holm's step-down rule at the smallest budget): family-wise error <= {alpha:.3g} over all of "
+               f"them. Each point's bound is printed at the error its test used, so a pick's margin is never "
+               f"negative (paired over the same items where both runs logged them, its unit and method beside "
+               f"it; a loss with no bound, or fewer than {uncertainty.MIN_UNITS} units, never qualifies). Among "
+               f"those, {words} wins"
+             + (f": the qualified points re-timed side by side at the end of the sweep, each comparison at error "
+                f"{latency.alpha:.3g} over all of them, the tie-break `{latency.tie_break}` among the ones the "
+                f"re-timing cannot separate. The decision's error: {alpha:.3g} (loss) + {latency.alpha:.3g} "
+                f"(latency) = {alpha + latency.alpha:.3g}, for the pick's loss and its latency claim together, "
+                f"at every budget at once." if retimed else
+                f" by the sweep's estimate, untested ({untested}): the decision's error {alpha:.3g} covers the loss "
+                f"half only.")
+             + f" `{NOT_SIGNIFICANT}` marks are per comparison (not corrected for multiplicity).", ""]
     lines.append("Frontier, loss vs decode latency: " + ", ".join(
         f"{p.name} ({p.cost:.2f} ms{CONTENDED if p.contended else ''}, {p.loss:.3g})"
         for p in frontier([p for p in lat if not p.emulated])))
@@ -334,19 +375,32 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
     lines.append("Frontier, loss vs weight memory: " + ", ".join(
         f"{p.name} ({p.cost:.1f} MiB, {p.loss:.3g})" for p in frontier(mem)))
     recs = {}
+    sizes = {r.info.run_name: r.data.metrics.get(TIE_BREAKS.get(latency.tie_break, ""), float("inf")) for r in runs}
     for b in budgets:
-        rec = fastest_within(ranked, b, alpha=alpha)
-        recs[b] = rec
+        rec = fastest_within(ranked, b, alpha=alpha, budgets=budgets)
         what = (f"KL <= {b:g}" if kl else f"{b:.0%} loss") + (f" (post hoc: {post_hoc[b]})" if b in post_hoc else "")
+        said = retime.claim([p.name for p in rec.qualified], latency.retimed, latency.alpha, latency.tie_break,
+                            sizes) if retimed and rec.point is not None else None
+        if said is not None and said.pick != rec.point.name:
+            chosen = next(p for p in rec.qualified if p.name == said.pick)
+            rec = dataclasses.replace(rec, point=chosen, margin=b - chosen.bound_at(rec.levels[chosen.name]),
+                                      level=rec.levels[chosen.name])
+        recs[b] = rec
         if rec.point is None and not ranked and mem:
             lines.append(f"- Within {what}: nothing to rank: no point measured {key} (its probe was off), so "
                          f"none is picked; the losses above still stand.")
         elif rec.point is None:
             lines.append(f"- Within {what}: no real point qualifies.")
         else:
-            best = "Fastest" if by == "tpot" else "Most capacity"
+            best = ("Fastest" if said is None or not said.tied else "Pick") if by == "tpot" else "Most capacity"
             lines.append(f"- {best} within {what}: **{rec.point.name}** — {sign * rec.point.cost:.2f} {unit}, "
-                         f"loss {_loss_text(rec.point)} (margin {rec.margin:.3g}; {rec.candidates} qualified)")
+                         f"loss {_loss_text(rec.point, rec.level)} (margin {rec.margin:.3g}; {rec.candidates} "
+                         f"qualified)")
+        if said is not None:
+            lines += retime.claim_lines(said, latency.tie_break)
+            for p in rec.undecided:
+                lines.append(_undecided_line(p, b, what, sign, unit, rec, n_real))
+            continue
         if rec.contended:
             lines.append("  - cannot tell on " + ("latency" if by == "tpot" else "capacity") + ": "
                          + ", ".join(f"{p.name} ({sign * p.cost:.2f} {unit}{CONTENDED})" for p in rec.contended)
@@ -362,13 +416,22 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
                 "this timing does not order them, and a repeat of the sweep may pick either; more "
                 "`probe.latency.repeats` would.")
         for p in rec.undecided:
-            lines.append(f"  - cannot tell: {p.name} is better ({sign * p.cost:.2f} {unit}) with loss {_loss_text(p)}; "
-                         f"the estimate is within {what}, but \"loss >= {b:g}\" has p = {p.p_at(b):.3g}, which "
-                         f"Holm's rule over the {n_real} points compared does not reject. More items (accuracy "
-                         f"limit, perplexity windows, fidelity tokens) would decide.")
+            lines.append(_undecided_line(p, b, what, sign, unit, rec, n_real))
     if any(p.emulated for p in ranked):
         lines.append("- Emulated points are never recommended: their latency is not that of the scheme.")
     return "\n".join(lines), recs
+
+
+# the tie-break's figure of a point, lower wins (decision.tie_break)
+TIE_BREAKS = {"size": "size/weight_mb", "bits": "size/bits_per_weight"}
+
+
+def _undecided_line(p: Point, b: float, what: str, sign: float, unit: str, rec: Recommendation, n: int) -> str:
+    level = (rec.levels or {}).get(p.name, uncertainty.ALPHA)
+    return (f"  - cannot tell: {p.name} is better ({sign * p.cost:.2f} {unit}) with loss {_loss_text(p, level)}; "
+            f"the estimate is within {what}, but \"loss >= {b:g}\" has p = {p.p_at(b):.3g}, above the {level:.3g} "
+            f"its test over the {n} points compared needs. More items (accuracy limit, perplexity windows, "
+            f"fidelity tokens) would decide.")
 
 
 def _tokens(n: str) -> int:
@@ -476,33 +539,58 @@ def next_steps(runs, recs: dict[float, Recommendation], sweep: str, parent_id: s
     return "\n".join(lines)
 
 
-def declared(tags: dict[str, str]) -> tuple[str, tuple[float, ...], float] | None:
-    """``(metric, budgets, alpha)`` a sweep parent recorded at launch, or None
-    (a sweep from before declarations)."""
+def declared(tags: dict[str, str]) -> DecisionConfig | None:
+    """The decision a sweep parent recorded at launch, or None (a sweep from
+    before declarations). A sweep from before re-timing was declared has
+    ``retime_rounds`` 0 and the tie-break ``latency``."""
     t = point.DECLARED_TAGS
-    if not all(v in tags for v in t.values()):
+    if not all(tags.get(t[k]) for k in ("metric", "budgets", "alpha")):
         return None
-    return tags[t["metric"]], tuple(float(b) for b in tags[t["budgets"]].split(",")), float(tags[t["alpha"]])
+    return DecisionConfig(metric=tags[t["metric"]], budgets=[float(b) for b in tags[t["budgets"]].split(",")],
+                          alpha=float(tags[t["alpha"]]), latency_share=float(tags.get(t["latency_share"], 0.5)),
+                          retime_rounds=int(tags.get(t["retime_rounds"], 0)),
+                          retime_points=int(tags.get(t["retime_points"], 4)),
+                          tie_break=tags.get(t["tie_break"], "latency"))
 
 
-def post_hoc(runs, declaration, metric: str, budgets, alpha: float) -> dict[float, str]:
+def post_hoc(runs, said: DecisionConfig | None, metric: str, budgets, alpha: float) -> dict[float, str]:
     """Budget -> why its decision was not the one declared at launch
     (another metric, a budget not declared, another alpha); empty where all
     of it was declared."""
-    if declaration is None:
+    if said is None:
         return {b: "the sweep declared no decision at launch" for b in budgets}
-    d_metric, d_budgets, d_alpha = declaration
     why = []
-    if metric != decision_metric(runs, d_metric):
-        why.append(f"metric {metric}, declared {d_metric}")
-    if alpha != d_alpha:
-        why.append(f"alpha {alpha:g}, declared {d_alpha:g}")
+    if metric != decision_metric(runs, said.metric):
+        why.append(f"metric {metric}, declared {said.metric}")
+    if alpha != said.alpha:
+        why.append(f"alpha {alpha:g}, declared {said.alpha:g}")
     out = {}
     for b in budgets:
-        reasons = why + ([] if b in d_budgets else [f"budget not declared ({', '.join(f'{x:g}' for x in d_budgets)})"])
+        reasons = why + ([] if b in said.budgets else
+                         [f"budget not declared ({', '.join(f'{x:g}' for x in said.budgets)})"])
         if reasons:
             out[b] = "; ".join(reasons)
     return out
+
+
+def measured_before(tracker: tracking.Tracker, reused, said: DecisionConfig | None) -> str:
+    """Why this sweep's decision was declared after some of its points were
+    measured: the reused points whose measuring sweep declared another
+    metric, budgets or alpha (or none: measured alone, or before
+    declarations); '' where there are none."""
+    late, seen = [], {}
+    for r in reused:
+        parent = tracker.get(tracking.origin(r)).data.tags.get(point.PARENT_TAG)
+        if parent not in seen:
+            seen[parent] = declared(tracker.get(parent).data.tags) if parent else None
+        first = seen[parent]
+        if said is None or first is None or \
+                (first.metric, list(first.budgets), first.alpha) != (said.metric, list(said.budgets), said.alpha):
+            late.append(r.info.run_name)
+    if not late:
+        return ""
+    return (f"declared after {', '.join(late)} {'was' if len(late) == 1 else 'were'} measured (reused from a sweep "
+            f"that declared another decision, or none)")
 
 
 def sweep_data(tracker: tracking.Tracker, parent_id: str):
@@ -530,13 +618,18 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
     differs is said "post hoc" beside its picks and in a parent tag per budget."""
     runs, reused, tags, base, items = sweep_data(tracker, parent_id)
     said = declared(tags)
-    metric = decision_metric(runs, metric or (said[0] if said else "auto"))
-    budgets = tuple(budgets or (said[1] if said else DEFAULT_BUDGETS))
-    alpha = alpha if alpha is not None else (said[2] if said else uncertainty.ALPHA)
+    metric = decision_metric(runs, metric or (said.metric if said else "auto"))
+    budgets = tuple(budgets or (said.budgets if said else DEFAULT_BUDGETS))
+    alpha = alpha if alpha is not None else (said.alpha if said else uncertainty.ALPHA)
     late = post_hoc(runs, said, metric, budgets, alpha)
+    if before := measured_before(tracker, reused, said):
+        late = {b: "; ".join(filter(None, (late.get(b), before))) for b in budgets}
     by = objective(runs, by)
+    split = dataclasses.replace(said or DecisionConfig(retime_rounds=0), alpha=alpha).halves()
+    latency = latency_half(tracker, parent_id, tags, said, split[1])
     if any(tracking.done(r) and metric in r.data.metrics for r in runs):
-        text, recs = decide(runs, metric, budgets, base, items, by, alpha, late)
+        text, recs = decide(runs, metric, budgets, base, items, by, split[0] if latency.retimed else alpha, late,
+                            latency)
     else:  # nothing to put on an accuracy axis (model=shape, probe=latency): no pick, no Pareto plot
         text, recs = (f"No point measured {metric}: a latency-only sweep (random weights or probe=latency), so no "
                       f"point is picked by loss and none is plotted against one."), {}
@@ -614,9 +707,26 @@ def point_report(tracker: tracking.Tracker, run_id: str, out_dir: Path | None = 
     return body + f"Files: report.md in {out}" + (f", and as an artifact of the run {run_id}." if log_to_run else ".")
 
 
-def _declaration_text(said) -> str:
-    metric, budgets, alpha = said
-    return f"metric {metric}, budgets {', '.join(f'{b:g}' for b in budgets)}, alpha {alpha:g}"
+def _declaration_text(said: DecisionConfig) -> str:
+    text = f"metric {said.metric}, budgets {', '.join(f'{b:g}' for b in said.budgets)}, alpha {said.alpha:g}"
+    if not said.retime_rounds:
+        return text + ", no re-timing"
+    return text + (f" ({1 - said.latency_share:.0%} to the loss half, {said.latency_share:.0%} to the latency "
+                   f"half), {said.retime_rounds} re-timing rounds of at most {said.retime_points} points, "
+                   f"tie-break {said.tie_break}")
+
+
+def latency_half(tracker: tracking.Tracker, parent_id: str, tags: dict, said: DecisionConfig | None,
+                  alpha: float) -> LatencyHalf:
+    """The sweep's re-timing as its parent logged it (:mod:`quantlab.retiming`),
+    with the latency half's share of the error; why none where none."""
+    tie = said.tie_break if said else "latency"
+    if said is None or not said.retime_rounds:
+        return LatencyHalf(tie_break=tie, why="the sweep declared no re-timing (decision.retime_rounds=0)")
+    path = tracker.download(parent_id, retime.ARTIFACT)
+    if path is None:
+        return LatencyHalf(tie_break=tie, why=tags.get(SKIPPED_TAG, "the sweep logged no re-timing"))
+    return LatencyHalf(retime.Retimed.from_json(path.read_text()), alpha, tie)
 
 
 if __name__ == "__main__":  # python -m quantlab.report: the command line is quantlab.report_cli

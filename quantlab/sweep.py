@@ -19,8 +19,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from quantlab import capabilities, point, report, tracking
-from quantlab.config import TrackingConfig
+from quantlab import capabilities, point, report, retiming, tracking
+from quantlab.config import DecisionConfig, TrackingConfig
 from quantlab.digest import write_atomic
 from quantlab.errors import UserError
 
@@ -66,6 +66,7 @@ class SweepCallback(Callback):
         tracker = tracking.connect(_tracking_cfg(config), tracking.SERVER_WAIT_S)
         runs, reused = tracker.sweep_runs(parent)
         _log_recovery(tracker, parent, runs, reused, config.get("recovery_baseline", "auto"))
+        retiming.after_sweep(tracker, parent)
         text = report.build(tracker, parent)  # reads the runs again, recovery included
         print("\n" + text, flush=True)
         failed = [r for r in runs if r.data.tags.get(point.OUTCOME_TAG) == "failed"]
@@ -83,10 +84,12 @@ class SweepCallback(Callback):
 def _declared(config: DictConfig) -> dict[str, str]:
     """The decision declared before any point runs, as the parent's tags
     (:data:`quantlab.point.DECLARED_TAGS`): what the report decides by default."""
-    d = config.get("decision") or {}
-    return {point.DECLARED_TAGS["metric"]: str(d.get("metric", "auto")),
-            point.DECLARED_TAGS["budgets"]: ",".join(f"{float(b):g}" for b in d.get("budgets", (0.01, 0.05))),
-            point.DECLARED_TAGS["alpha"]: f"{float(d.get('alpha', 0.05)):g}"}
+    d = DecisionConfig(**OmegaConf.to_container(config.get("decision") or {}, resolve=True))
+    t = point.DECLARED_TAGS
+    return {t["metric"]: d.metric, t["budgets"]: ",".join(f"{float(b):g}" for b in d.budgets),
+            t["alpha"]: f"{float(d.alpha):g}", t["latency_share"]: f"{float(d.latency_share):g}",
+            t["retime_rounds"]: str(d.retime_rounds), t["retime_points"]: str(d.retime_points),
+            t["tie_break"]: d.tie_break}
 
 
 def _log_recovery(tracker: tracking.Tracker, parent: str, runs, reused, choice: str) -> None:

@@ -69,6 +69,30 @@ def test_results_agree_with_the_report_and_its_pick(sweep_store):
         assert pick.attrs["tracking_uri"] == sweep_store
 
 
+def test_the_sweep_retimed_its_qualified_points_side_by_side(sweep_store):
+    """At the end of the sweep the points the loss half qualified were
+    re-timed in interleaved rounds (retime.json on the parent, the rounds
+    the declaration said); the report states the latency claim and the
+    decision's error as one number."""
+    import quantlab
+    from mlflow import MlflowClient
+
+    from quantlab import report, retime, tracking
+    from quantlab.config import TrackingConfig
+
+    df = quantlab.results("latest", tracking_uri=sweep_store)
+    parent = df.attrs["parent_run_id"]
+    tracker = tracking.connect(TrackingConfig(uri=sweep_store, artifact_root=None))
+    timed = retime.Retimed.from_json(tracker.download(parent, retime.ARTIFACT).read_text())
+    said = report.declared(MlflowClient(sweep_store).get_run(parent).data.tags)
+    assert said.retime_rounds == 12 and len(timed.rounds) == 12 and said.tie_break == "size"
+    assert 2 <= len(timed.names) <= said.retime_points and set(timed.names) <= set(df["point"])
+    assert all(ms > 0 for row in timed.rounds for ms in row)
+    text = (tracker.download(parent, "report.md")).read_text()
+    assert "re-timed side by side, 12 interleaved rounds" in text
+    assert "The decision's error: 0.025 (loss) + 0.025 (latency) = 0.05" in text
+
+
 def test_fastest_within_decides_only_among_the_rows_given(sweep_store):
     import quantlab
 

@@ -142,7 +142,8 @@ def test_report_cli_reads_a_store_written_by_another_process(smoke_sweep, tmp_pa
     # fp32 scores the reference's own log-probabilities on every position: its loss is exactly 0 (shown by its
     # outputs), so it qualifies within 1 %, where a sampled bound at 512 positions could not have shown it
     assert "Fastest within 1% loss: **fp32@cpu**" in out and "identical log-probabilities to the reference" in out
-    assert "Declared at launch: metric auto, budgets 0.01, 0.05, alpha 0.05." in out and "post hoc" not in out
+    assert "Declared at launch: metric auto, budgets 0.01, 0.05, alpha 0.05 (50% to the loss half" in out
+    assert "post hoc" not in out
     assert report_cli.main(["--tracking-uri", uri, "--sweep", "smoke", "--budgets", "0.02", "--no-log",
                             "--out", str(tmp_path / "late")]) == 0
     assert "within 2% loss (post hoc: budget not declared (0.01, 0.05))" in capsys.readouterr().out
@@ -166,6 +167,24 @@ def test_recommended_point_tagged(smoke_sweep):
     assert tags["recommended.0.05.post_hoc"] == "no"
 
 
+def test_a_decision_declared_after_its_points_were_measured_is_post_hoc(smoke_sweep):
+    """Failing-before for "re-declaring after seeing results is free": a
+    second sweep that reuses the smoke sweep's points and declares another
+    budget says, beside every pick, that it was declared after they were
+    measured, and its parent's post hoc tags say so (export reads them)."""
+    _, client, _ = smoke_sweep
+    uri = client.tracking_uri
+    proc = run_cli(["+sweep=smoke", "model=tiny", "sweep_name=redeclared", "decision.budgets=[0.02]",
+                    f"tracking.uri={uri}", f"tracking.artifact_root={uri.removeprefix('sqlite:///')[:-10]}/art"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "3 reused" in proc.stderr + proc.stdout
+    assert "within 2% loss (post hoc: declared after " in proc.stdout and " were measured (reused from a sweep that " \
+        "declared another decision, or none)" in proc.stdout
+    parent = next(r for r in client.search_runs([client.get_experiment_by_name("quantlab").experiment_id])
+                  if r.data.tags.get("quantlab.role") == "sweep" and r.data.tags.get("quantlab.sweep") == "redeclared")
+    assert parent.data.tags["recommended.0.02.post_hoc"].startswith("declared after ")
+
+
 def test_headline_sweep_without_data_dir_exits_0_with_every_family(tmp_path):
     """A newcomer's `+sweep=fp8_vs_int4` without a data directory: every point
     runs (GPTQ on the built-in text, tagged), accuracy and perplexity are
@@ -186,7 +205,7 @@ def test_headline_sweep_without_data_dir_exits_0_with_every_family(tmp_path):
     assert kv.tags["probe.fidelity.corpus"] == "builtin" and "kvfid/kl_mean" in kv.metrics
     assert "data_dir" in kv.tags["probe.accuracy.skipped"] and "data_dir" in kv.tags["probe.perplexity.skipped"]
     assert "calibration.fallback" in runs["gptq-g64@cpu"].data.tags
-    assert "Decision rule: loss on `fid/top1_agree`" in proc.stdout and "95% one-sided upper bound" in proc.stdout
+    assert "Decision rule: loss on `fid/top1_agree`" in proc.stdout and "the level its test used" in proc.stdout
 
 
 def test_params_of_other_model_sources_are_not_logged():

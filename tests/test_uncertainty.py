@@ -245,14 +245,18 @@ def test_report_marks_non_significant_differences_and_names_the_rule():
     assert "0.580±0.050 ~" in row["int8"] and "~" not in row["int4"] and "bf16 (baseline)" in row
     assert "0.600±0.049" in row["bf16 (baseline)"]
     body, recs = report.decide(runs, "acc/t", (0.05,), runs[0], items)
-    assert "one-sided 95%" in body and "Holm's step-down rule over the 3 real points" in body
+    assert "closed testing over the 3 real points and the 1 budget together (Holm's step-down rule" in body
+    assert "printed at the error its test used" in body
     assert "against bf16" in body and "per comparison" in body
     # int8's estimate (3.3 % loss) is within 5 %, its bound is not: nothing qualifies
     # but bf16, and the report says it cannot tell about int8
     assert recs[0.05].point.name == "bf16" and [p.name for p in recs[0.05].undecided] == ["int8"]
     assert "cannot tell: int8" in body
     p_int8 = recs[0.05].undecided[0].p_at(0.05)
-    assert f"but \"loss >= 0.05\" has p = {p_int8:.3g}, which Holm's rule over the 3 points" in body and p_int8 > 0.05
+    level = recs[0.05].levels["int8"]  # Holm: int8's p is the least of the two above 0 (bf16's), so 0.05 / 2
+    assert level == pytest.approx(0.025)
+    assert f"but \"loss >= 0.05\" has p = {p_int8:.3g}, above the {level:.3g} its test over the 3 points" in body
+    assert p_int8 > 0.025
     assert "int8: acc/t: diff -0.0200" in report.paired_table(runs, runs[0], items)
 
 

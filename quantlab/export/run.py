@@ -85,7 +85,7 @@ def export_run(source: tracking.Run, out: Path, force: bool = False, register: s
     if out.exists() and not force:
         raise UserError(f"{out} exists; pass --force to replace it")
     run_id, run = source.id, source.get()
-    cfg = _run_config(source)
+    cfg = run_config(source)
     spec = formats.mapping("checkpoint", cfg.scheme.weights)  # refuse a scheme without a format before rebuilding
     log.info("export: %s from run %s", run.info.run_name, run_id)
     float_model, tok = models.load(cfg.model, cfg.cache_dir)
@@ -147,7 +147,7 @@ def export_run(source: tracking.Run, out: Path, force: bool = False, register: s
     return manifest
 
 
-def _run_config(run: tracking.Run) -> RunConfig:
+def run_config(run: tracking.Run) -> RunConfig:
     """The point's config as its run logged it."""
     with tempfile.TemporaryDirectory() as d:
         path = run.tracker.download(run.id, "config.yaml", Path(d))
@@ -170,7 +170,7 @@ def export_gguf(source: tracking.Run, out: Path, force: bool = False) -> dict:
     if out.exists() and not force:
         raise UserError(f"{out} exists; pass --force to replace it")
     run_id = source.id
-    cfg = _run_config(source)
+    cfg = run_config(source)
     w = cfg.scheme.weights
     spec = formats.mapping("gguf", w)
     if spec.get("quantize"):
