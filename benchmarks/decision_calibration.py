@@ -20,6 +20,14 @@ budget. Designs:
   headline now), or as the adaptive design's cap (the headline with
   ``probe.perplexity.adaptive=true``).
 Each adaptive row also prints the mean windows a trial scored at each true loss.
+Articles that differ (``article_loss``): each trial a fresh split of 61
+articles whose paired NLL difference shifts by 0 / 0.01 / 0.02 nats sd per
+article, the truth the mean over articles like them; the fixed 64-window
+design bounded with the window as the unit (before) or cluster-robust over
+the articles the windows fell in (the report).
+Passkey trials in cells (``passkey_loss``): 15 cells of 4 trials whose
+failures are alike within a cell (ICC 0 / 0.3 / 1), bounded as independent
+trials (before) or counting cells (the report).
 Also the two document-level and position-level losses: ``accuracy`` (paired
 0/1 documents) and ``top1`` (1 - top-1 agreement over 8 windows of 64
 positions, windows differing in their disagreement rate).
@@ -102,6 +110,67 @@ def perplexity_loss(rng, design: str, budget: float, multiple: float, tau: float
                          {key: math.exp(base.mean()), f"{key}_windows": float(windows)}, {key: list(base.ravel())})
 
 
+ARTICLE_SHIFTS = (0.0, 0.01, 0.02)  # sd (nats) of an article's shift in the paired NLL difference
+ARTICLES = 61  # WikiText-2's test split has 61 articles, about 2,200 windows of 128 tokens
+
+
+def article_loss(rng, budget: float, multiple: float, shift: float, clustered: bool, windows: int = 64,
+                 window: int = 128) -> decision.Loss:
+    """One point's loss on the report's path when articles differ: each
+    trial a fresh split of ``ARTICLES`` articles (sizes lognormal, about
+    2,200 windows in all) whose paired NLL difference is shifted by
+    ``shift * N(0, 1)`` each, the truth being the mean over articles like
+    them (``multiple * budget``); ``windows`` drawn at random among the
+    split's windows (window shift 0.005, AR(1) 0.3 tokens). ``clustered``:
+    the run logs each window's article (the report bounds over articles);
+    else the window is the unit (the report before)."""
+    sizes = np.maximum(1, np.round(rng.lognormal(math.log(30.0), 0.7, ARTICLES))).astype(int)
+    owner = np.repeat(np.arange(ARTICLES), sizes)
+    drawn = owner[rng.permutation(owner.size)[:windows]]
+    article = shift * rng.standard_normal(ARTICLES)
+    base = rng.gamma(2.0, 1.5, (windows, window - 1))
+    mu = -math.log(1 - multiple * budget)
+    point = base + mu + article[drawn][:, None] + _diffs(rng, windows, window, 0.0, 0.005, SIGMA[budget], "ar0.3")
+    key = perplexity.metric_name(window, windows, None)
+    items, base_items = {key: list(point.ravel())}, {key: list(base.ravel())}
+    if clustered:
+        items[f"articles/{key}"] = base_items[f"articles/{key}"] = drawn.tolist()
+    return decision.loss(key, {key: math.exp(point.mean()), f"{key}_windows": float(windows)}, items,
+                         {key: math.exp(base.mean()), f"{key}_windows": float(windows)}, base_items)
+
+
+ICCS = (0.0, 0.3, 1.0)  # within-cell correlation of the passkey trials' failures
+
+
+def passkey_loss(rng, budget: float, multiple: float, icc: float, clustered: bool, cells: int = 15,
+                 per: int = 4, base_acc: float = 0.9) -> decision.Loss | None:
+    """One point's loss on acc/passkey (the default grid: 15 cells of 4
+    trials) whose failures are alike within a cell: each cell fails the
+    baseline's hits with probability drawn from a beta of mean ``multiple *
+    budget`` and intra-cell correlation ``icc`` (1: a cell fails whole or not
+    at all), the truth the mean over cells like these. ``clustered``: the
+    run logs each trial's cell (the report's bound counts cells); else the
+    trials are independent documents (the report before)."""
+    m = multiple * budget
+    if icc == 0 or m == 0:
+        q = np.full(cells, m)
+    elif icc == 1:
+        q = (rng.random(cells) < m).astype(float)
+    else:
+        q = rng.beta(m * (1 - icc) / icc, (1 - m) * (1 - icc) / icc, cells)
+    base = (rng.random(cells * per) < base_acc).astype(float)
+    point = base * (rng.random(cells * per) >= np.repeat(q, per))
+    if base.mean() == 0 or point.mean() == 0:
+        return None
+    ids = [f"t{i}" for i in range(cells * per)]
+    items, base_items = {"acc/passkey": list(point), "doc_ids/passkey": ids}, {"acc/passkey": list(base),
+                                                                                "doc_ids/passkey": ids}
+    if clustered:
+        items["clusters/passkey"] = base_items["clusters/passkey"] = [f"c{i // per}" for i in range(cells * per)]
+    return decision.loss("acc/passkey", {"acc/passkey": point.mean()}, items, {"acc/passkey": base.mean()},
+                         base_items)
+
+
 def accuracy_loss(rng, budget: float, multiple: float, n: int = 200) -> decision.Loss | None:
     base = (rng.random(n) < 0.48).astype(float)
     point = base.copy()
@@ -171,6 +240,25 @@ def main(argv: list[str] | None = None) -> int:
         worst15 = max(worst15, cells[1][0])
         if budget == 0.05 and design != "first2":
             power5.append(cells[2][0])
+    for shift, clustered, budget in itertools.product(ARTICLE_SHIFTS, (False, True), BUDGETS):
+        cells = [rate(lambda m=m: article_loss(rng, budget, m, shift, clustered), budget, args.trials)
+                 for m in MULTIPLES]
+        print(f"| perplexity, articles differ | fixed64, {'articles the unit' if clustered else 'windows the unit'} "
+              f"| ar0.3 | article {shift:g} | {budget:g} | "
+              + " | ".join(f"{p:.3f} ({se:.3f})" for p, se in cells) + " | - |", flush=True)
+        if clustered:  # the report's bound; the window-unit rows show what it replaced
+            worst = max(worst, cells[0][0] - 2 * cells[0][1])
+            worst15 = max(worst15, cells[1][0])
+            if budget == 0.05:
+                power5.append(cells[2][0])
+    for icc, clustered in itertools.product(() if args.no_other else ICCS, (False, True)):
+        cells = [rate(lambda m=m: passkey_loss(rng, 0.05, m, icc, clustered), 0.05, args.trials) for m in MULTIPLES]
+        print(f"| passkey | 15 cells x 4 trials, {'cells counted' if clustered else 'trials independent'} | "
+              f"icc {icc:g} | - | 0.05 | " + " | ".join(f"{p:.3f} ({se:.3f})" for p, se in cells) + " | - |",
+              flush=True)
+        if clustered:
+            worst = max(worst, cells[0][0] - 2 * cells[0][1])
+            worst15 = max(worst15, cells[1][0])
     for tau, budget in itertools.product((0.0, 0.02), () if args.no_other else BUDGETS):
         cells = [rate(lambda m=m: top1_loss(rng, budget, m, tau), budget, args.trials) for m in MULTIPLES]
         print(f"| top-1 | 8 x 64 | ar0.5 | {tau:g} | {budget:g} | "

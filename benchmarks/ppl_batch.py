@@ -50,7 +50,7 @@ def main() -> None:
         engines[s] = CPUTarget(CPUTargetConfig()).engine(model, kv_apply(model, NoKV(), None), tok)
     if args.data_dir:
         raw = perplexity.wikitext2_text(args.data_dir)
-        wins, _ = perplexity.sample(tok, raw, args.window, args.windows, 0)
+        wins, _, _ = perplexity.sample(tok, raw, args.window, args.windows, 0)
     else:
         wins = corpus.token_ids(tok, "builtin", args.window * args.windows)[0].reshape(-1, args.window)
     secs, nll = {}, {}

@@ -71,7 +71,10 @@ def results(sweep: str = "latest", *, tracking_uri: str | None = None, experimen
     parent = tracker.find_sweep(sweep)
     runs, reused, tags, base, items = report.sweep_data(tracker, parent)
     said = report.declared(tags)
-    metric = report.decision_metric(runs, metric or (said.metric if said else "auto"))
+    budgets = tuple(said.budgets) if said else report.DEFAULT_BUDGETS
+    latency = report.latency_half(tracker, parent, tags, said, said.halves()[1] if said else 0.0)
+    metric = report.decision_metric(runs, metric or (said.metric if said else "auto"), base, items, budgets,
+                                    said.halves()[0] if said else ALPHA)
     rows = []
     for r in runs:
         is_base = base is not None and r.info.run_id == base.info.run_id
@@ -90,9 +93,7 @@ def results(sweep: str = "latest", *, tracking_uri: str | None = None, experimen
     frame = pandas.DataFrame(rows, columns=None if rows else list(FIRST))
     frame.attrs.update(sweep=tags.get(point.SWEEP_TAG, sweep), parent_run_id=parent, tracking_uri=uri,
                        experiment=experiment, metric=metric,
-                       budgets=tuple(said.budgets) if said else report.DEFAULT_BUDGETS,
-                       alpha=said.alpha if said else ALPHA, decision=said,
-                       latency=report.latency_half(tracker, parent, tags, said, said.halves()[1] if said else 0.0))
+                       budgets=budgets, alpha=said.alpha if said else ALPHA, decision=said, latency=latency)
     return frame
 
 
@@ -116,7 +117,7 @@ def fastest_within(frame: pandas.DataFrame, budget: float, *, alpha: float | Non
     retimed = cost == "lat/tpot_ms_p50" and latency is not None and latency.retimed is not None
     said = frame.attrs.get("decision")
     if alpha is None:
-        alpha = (said.halves()[0] if retimed else said.alpha) if said is not None else frame.attrs.get("alpha", ALPHA)
+        alpha = said.halves()[0] if said is not None else frame.attrs.get("alpha", ALPHA)
     pts = {}
     for i, row in frame.iterrows():
         if math.isnan(row["loss"]) or row[cost] is None or math.isnan(row[cost]):

@@ -67,20 +67,29 @@ def articles(raw: str) -> list[str]:
 
 def random_windows(tokenizer, raw: str, window: int, n: int, seed: int) -> tuple[torch.Tensor, int]:
     """``([n, window]`` ids, how many windows there were to draw from)``: the
-    non-overlapping ``window``-token windows inside each article of ``raw``
-    (:func:`articles`, each tokenized on its own: no window crosses an
-    article's end), ``n`` of them drawn at random without replacement
-    (``seed``), in draw order, so that any prefix is itself a random sample:
-    the unit a bound resamples and an adaptive look extends. Raises
-    :class:`UserError` when the text has fewer than ``n``."""
+    windows of :func:`windows_in_articles`, without their articles."""
+    wins, total, _ = windows_in_articles(tokenizer, raw, window, n, seed)
+    return wins, total
+
+
+def windows_in_articles(tokenizer, raw: str, window: int, n: int, seed: int) -> tuple[torch.Tensor, int, list[int]]:
+    """``([n, window]`` ids, how many windows there were to draw from, each
+    window's article)``: the non-overlapping ``window``-token windows inside
+    each article of ``raw`` (:func:`articles`, each tokenized on its own: no
+    window crosses an article's end), ``n`` of them drawn at random without
+    replacement (``seed``), in draw order, so that any prefix is itself a
+    random sample: the unit a bound resamples and an adaptive look extends.
+    The article (its index in ``raw``) is the cluster a bound over "articles
+    like these" resamples. Raises :class:`UserError` when the text has fewer
+    than ``n``."""
     pieces = [tokenizer(a, add_special_tokens=False)["input_ids"] for a in articles(raw)]
     starts = [(i, s) for i, ids in enumerate(pieces) for s in range(0, len(ids) - window + 1, window)]
     if len(starts) < n:
         raise UserError(f"the text has {len(starts)} windows of {window} tokens inside its articles, fewer than "
                         f"the {n} asked for: ask fewer or shorter windows")
-    order = np.random.default_rng(seed).permutation(len(starts))[:n]
-    return torch.tensor([pieces[i][s:s + window] for i, s in (starts[k] for k in order)], dtype=torch.long), \
-        len(starts)
+    drawn = [starts[k] for k in np.random.default_rng(seed).permutation(len(starts))[:n]]
+    return torch.tensor([pieces[i][s:s + window] for i, s in drawn], dtype=torch.long), len(starts), \
+        [i for i, _ in drawn]
 
 
 def paragraph_ids(tokenizer, corpus: str, data_dir: str | None, max_tokens: int, min_tokens: int,

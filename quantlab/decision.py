@@ -10,9 +10,11 @@ reference, and the value itself for KL divergence.
 Bounds, each one-sided at ``uncertainty.LEVEL`` (see :mod:`quantlab.uncertainty`):
 - both runs logged per-item values (``items.json``) on the same items:
   accuracies by Tango's score bound on the paired documents, perplexities by
-  the t-interval on the window means of the paired per-token NLL differences
-  (the window is the unit; fewer than ``uncertainty.MIN_UNITS`` windows: no
-  bound, "cannot tell");
+  the t-interval on the window means of the paired per-token NLL differences,
+  cluster-robust over the windows' articles where both runs logged them
+  (``articles/<metric>``: the article is the unit, so the claim covers
+  articles like these, not these windows), else the window the unit (fewer
+  than ``uncertainty.MIN_UNITS`` units: no bound, "cannot tell");
 - without them, where both runs logged standard errors: the unpaired normal
   bound (``"unpaired"``: wider than a paired one would be);
 - KL and top-1 from the point's own fidelity statistics (window standard
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 from quantlab import sequential, uncertainty
 from quantlab import metric_names
-from quantlab.metric_names import AUXILIARY, IDENTICAL
+from quantlab.metric_names import ARTICLES, AUXILIARY, CLUSTERS, IDENTICAL
 from quantlab.uncertainty import Bound, Paired, paired
 
 
@@ -100,7 +102,16 @@ def compare(metric: str, items: dict, base_items: dict) -> Paired | None:
         return None
     tokens = spec.items == "tokens"
     return paired(*pair, binary=spec.direction == "higher", tokens=tokens,
-                  windows=(windows_of(metric, len(pair[0])) or 1) if tokens else 0)
+                  windows=(windows_of(metric, len(pair[0])) or 1) if tokens else 0,
+                  clusters=articles(metric, items, base_items) if tokens else None)
+
+
+def articles(metric: str, items: dict, base_items: dict) -> list | None:
+    """Each window's article (``articles/<metric>``), where both runs logged
+    the same: the cluster a bound over "articles like these" resamples;
+    None otherwise (the window is the unit)."""
+    a, b = items.get(f"{ARTICLES}{metric}"), base_items.get(f"{ARTICLES}{metric}")
+    return a if a and a == b else None
 
 
 def _unit_text(units: int, what: str) -> str:
@@ -155,12 +166,16 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
     pair = compare(metric, items, base_items)
     if pair is not None and lower:  # mean per-item NLL difference = ln(PPL(point) / PPL(base))
         if spec.items == "tokens":
-            upper, unit = uncertainty.unit_upper, _unit_text(pair.units, "windows")
+            clustered = articles(metric, items, base_items) is not None
+            upper = uncertainty.unit_upper
+            unit = _unit_text(pair.units, "articles, cluster-robust over their windows" if clustered else "windows")
         else:
             upper, unit = uncertainty.t_upper, f"t on {pair.units} documents"
         return Loss(max(0.0, relative(pair.diff)),
                     Bound(relative(pair.diff), _clamp(lambda a: relative(
                         upper(pair.diff, pair.stderr, pair.units, a))), f"paired {unit}"), True)
+    if pair is not None and (groups := clusters(metric, items, base_items)) is not None:
+        return _clustered(pair, aligned(metric, items, base_items), groups, b)
     if pair is not None:
         return Loss(max(0.0, -pair.diff / b), Bound(-pair.diff / b, _clamp(
             lambda a: uncertainty.tango_upper(pair.lost, pair.gained, pair.n, a) / b),
@@ -176,6 +191,38 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
     else:
         bound = _clamp(lambda a: (b - v + uncertainty.z(a) * se) / b)
     return Loss(max(0.0, est), Bound(est, bound, "unpaired normal (no per-item values)"), True)
+
+
+def clusters(metric: str, items: dict, base_items: dict) -> list | None:
+    """Each item's cluster (``clusters/<task>``: items that share structure,
+    such as the passkey trials of one length and depth), where both runs
+    logged the same in the same order; None otherwise (items independent)."""
+    task = metric.partition("/")[2]
+    a, b = items.get(f"{CLUSTERS}{task}"), base_items.get(f"{CLUSTERS}{task}")
+    same = items.get(f"doc_ids/{task}") == base_items.get(f"doc_ids/{task}")
+    return a if a and a == b and same and len(a) == len(items.get(metric, ())) else None
+
+
+def _clustered(pair: Paired, values: tuple[list, list], groups: list, base_acc: float) -> Loss:
+    """The relative loss of a 0/1 metric whose items come in clusters:
+    Tango's score bound at the effective number of items, ``n`` over the
+    design effect (the cluster-robust variance of the paired differences
+    over the plain one), kept between the number of clusters and ``n``;
+    with no item differing the design effect cannot be estimated, so the
+    clusters count (the items of one cluster may fail together). Fewer than
+    ``uncertainty.MIN_UNITS`` clusters: no bound."""
+    d = [x - y for x, y in zip(*values)]
+    n, c = len(d), len(set(groups))
+    if c < uncertainty.MIN_UNITS:
+        return Loss(max(0.0, -pair.diff / base_acc), uncertainty.unbounded(
+            -pair.diff / base_acc, f"{c} clusters of {n} items, fewer than {uncertainty.MIN_UNITS}: cannot tell"),
+            True)
+    se_c, se_i = uncertainty.cluster_stderr(d, groups)[0], uncertainty.mean_stderr(d)
+    n_eff = float(c) if pair.lost + pair.gained == 0 or se_c == 0 else min(float(n), max(c, n * (se_i / se_c) ** 2))
+    s = n_eff / n
+    return Loss(max(0.0, -pair.diff / base_acc), Bound(-pair.diff / base_acc, _clamp(
+        lambda a: uncertainty.tango_upper(pair.lost * s, pair.gained * s, n_eff, a) / base_acc),
+        f"paired Tango score at effective n {n_eff:.0f} of {n} items in {c} clusters"), True)
 
 
 def _against_reference(metric: str, v: float, kind: str, metrics: dict) -> Loss:

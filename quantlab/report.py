@@ -4,6 +4,7 @@ report``) is :mod:`quantlab.report_cli`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from pathlib import Path
 
@@ -89,8 +90,9 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     lines += ["", "value±se: standard error over the unit drawn independently (accuracies: documents; "
-              "perplexity (delta method), KL and top1: windows drawn at random within the text's articles, "
-              "whose tokens are correlated and which differ from each other)."]
+              "perplexity (delta method): the articles its random windows fell in, cluster-robust over their "
+              "windows (articles differ from each other; a population of text is articles like these); KL and "
+              "top1: the windows, whose tokens are correlated)."]
     if base is not None:
         lines.append(f"{NOT_SIGNIFICANT}: not significantly different from the baseline {base.info.run_name} "
                      f"(paired on the same items: exact McNemar for accuracies, t on the window means of "
@@ -198,18 +200,43 @@ OBJECTIVES = {"tpot": ("lat/tpot_ms_p50", 1.0, "the lowest decode TPOT P50", "ms
                            "of the load probe's knee)", "req/s under the SLOs")}
 
 
-def decision_metric(runs, choice: str = "auto") -> str:
-    """``auto``: token-level perplexity when measured (thousands of tokens: far
-    less noisy than a task accuracy over ~100 documents), else the first
-    accuracy, else top-1 agreement with the reference (needs no labels)."""
+def decision_metric(runs, choice: str = "auto", base=None, items: dict | None = None, budgets=(),
+                    alpha: float = uncertainty.ALPHA) -> str:
+    """The metric a decision is made on (:func:`auto_metric`'s)."""
+    return auto_metric(runs, choice, base, items, budgets, alpha)[0]
+
+
+def auto_metric(runs, choice: str = "auto", base=None, items: dict | None = None, budgets=(),
+                alpha: float = uncertainty.ALPHA) -> tuple[str, str]:
+    """``(metric, why metrics before it were passed over)``. ``auto``:
+    token-level perplexity when measured (thousands of tokens: far less
+    noisy than a task accuracy over ~100 documents), else an accuracy, else
+    top-1 agreement with the reference (needs no labels); with the baseline
+    run ``base`` and ``budgets`` given, a metric whose design cannot decide
+    any budget is passed over, said in one line: a point identical to the
+    baseline on every item would still be bounded above the largest budget
+    (:func:`best_case`)."""
     if choice != "auto":
-        return decision.base_metric(choice)
+        return decision.base_metric(choice), ""
     keys = sorted({k for r in runs for k in r.data.metrics if not decision.auxiliary(k)})
+    why = []
     for prefix in ("ppl_token_wikitext2_w", "acc_norm/", "acc/"):
-        hit = [k for k in keys if k.startswith(prefix)]
-        if hit:
-            return hit[0]
-    return "fid/top1_agree"
+        for k in (k for k in keys if k.startswith(prefix)):
+            best = best_case(k, base, items, alpha) if base is not None and budgets else 0.0
+            if best <= max(budgets, default=math.inf):
+                return k, "; ".join(why)
+            why.append(f"auto passed over {k}: a point identical to the baseline on every item would be bounded at "
+                       f"{best:.3g}, above the largest budget {max(budgets):g}, so it cannot decide any")
+    return "fid/top1_agree", "; ".join(why)
+
+
+def best_case(metric: str, base, items: dict | None, alpha: float) -> float:
+    """The bound at ``alpha`` of a point identical to the baseline ``base``
+    on every item of ``metric`` (its loss exactly 0 as measured): the least
+    any point of this design can be shown to lose."""
+    m, own = base.data.metrics, (items or {}).get(base.info.run_id, {})
+    lo = decision.loss(metric, m, own, m, own)
+    return lo.bound.upper_at(alpha) if lo is not None and lo.bounded else math.inf
 
 
 def run_loss(run, metric: str, base=None, items: dict | None = None) -> decision.Loss | None:
@@ -309,7 +336,7 @@ def loss_half(runs, base, items: dict, said) -> dict[float, Recommendation]:
     """Per budget of decision ``said`` (a :class:`quantlab.config.DecisionConfig`),
     the points shown within it on its metric, by decode TPOT: what the
     re-timing takes its candidates from (:mod:`quantlab.retiming`)."""
-    metric = decision_metric(runs, said.metric)
+    metric = decision_metric(runs, said.metric, base, items, said.budgets, said.halves()[0])
     pts = points(runs, metric, OBJECTIVES["tpot"][0], base, items)
     return {b: fastest_within(pts, b, alpha=said.halves()[0], budgets=said.budgets) for b in said.budgets}
 
@@ -553,14 +580,15 @@ def declared(tags: dict[str, str]) -> DecisionConfig | None:
                           tie_break=tags.get(t["tie_break"], "latency"))
 
 
-def post_hoc(runs, said: DecisionConfig | None, metric: str, budgets, alpha: float) -> dict[float, str]:
+def post_hoc(runs, said: DecisionConfig | None, metric: str, budgets, alpha: float, base=None,
+             items: dict | None = None) -> dict[float, str]:
     """Budget -> why its decision was not the one declared at launch
     (another metric, a budget not declared, another alpha); empty where all
     of it was declared."""
     if said is None:
         return {b: "the sweep declared no decision at launch" for b in budgets}
     why = []
-    if metric != decision_metric(runs, said.metric):
+    if metric != decision_metric(runs, said.metric, base, items, said.budgets, said.halves()[0]):
         why.append(f"metric {metric}, declared {said.metric}")
     if alpha != said.alpha:
         why.append(f"alpha {alpha:g}, declared {said.alpha:g}")
@@ -618,24 +646,24 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
     differs is said "post hoc" beside its picks and in a parent tag per budget."""
     runs, reused, tags, base, items = sweep_data(tracker, parent_id)
     said = declared(tags)
-    metric = decision_metric(runs, metric or (said.metric if said else "auto"))
     budgets = tuple(budgets or (said.budgets if said else DEFAULT_BUDGETS))
     alpha = alpha if alpha is not None else (said.alpha if said else uncertainty.ALPHA)
-    late = post_hoc(runs, said, metric, budgets, alpha)
+    split = dataclasses.replace(said or DecisionConfig(retime_rounds=0), alpha=alpha).halves()
+    metric, passed_over = auto_metric(runs, metric or (said.metric if said else "auto"), base, items, budgets,
+                                      split[0])
+    late = post_hoc(runs, said, metric, budgets, alpha, base, items)
     if before := measured_before(tracker, reused, said):
         late = {b: "; ".join(filter(None, (late.get(b), before))) for b in budgets}
     by = objective(runs, by)
-    split = dataclasses.replace(said or DecisionConfig(retime_rounds=0), alpha=alpha).halves()
     latency = latency_half(tracker, parent_id, tags, said, split[1])
     if any(tracking.done(r) and metric in r.data.metrics for r in runs):
-        text, recs = decide(runs, metric, budgets, base, items, by, split[0] if latency.retimed else alpha, late,
-                            latency)
+        text, recs = decide(runs, metric, budgets, base, items, by, split[0], late, latency)
     else:  # nothing to put on an accuracy axis (model=shape, probe=latency): no pick, no Pareto plot
         text, recs = (f"No point measured {metric}: a latency-only sweep (random weights or probe=latency), so no "
                       f"point is picked by loss and none is plotted against one."), {}
     text = (f"Declared at launch: {_declaration_text(said)}." if said else
             "Declared at launch: nothing (a sweep from before declarations: every pick is post hoc).") + \
-        "\n\n" + text
+        (f" The metric: {passed_over}." if passed_over else "") + "\n\n" + text
     sweep = tags.get(point.SWEEP_TAG, "?")
     paired_text = paired_table(runs, base, items) if base is not None else ""
     times = time_table(runs, {r.info.run_id for r in reused})

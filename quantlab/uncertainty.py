@@ -89,6 +89,23 @@ def unit_stderr(x: Sequence[float] | np.ndarray, groups: int) -> float:
     return mean_stderr(group_means(x, groups))
 
 
+def cluster_stderr(x: Sequence[float] | np.ndarray, clusters: Sequence) -> tuple[float, int]:
+    """``(standard error of the mean of the units x, number of clusters)``,
+    cluster-robust (CR1: the sum over clusters of their squared summed
+    residuals, times C / (C - 1), over N^2): the units of one cluster (the
+    windows of one article) may be alike, so the clusters are what a
+    population of them was drawn as. One unit a cluster gives the plain
+    standard error; 0 for a single cluster."""
+    a = np.asarray(x, dtype=np.float64).ravel()
+    if a.size != len(clusters):
+        raise ValueError(f"{a.size} units but {len(clusters)} cluster labels")
+    labels = {c: i for i, c in enumerate(dict.fromkeys(clusters))}
+    if len(labels) < 2:
+        return 0.0, len(labels)
+    sums = np.bincount([labels[c] for c in clusters], weights=a - a.mean(), minlength=len(labels))
+    return float(math.sqrt(len(labels) / (len(labels) - 1) * float((sums ** 2).sum())) / a.size), len(labels)
+
+
 def unit_upper(mean: float, se: float, units: int, alpha: float) -> float:
     """One-sided ``1 - alpha`` upper bound of a mean over ``units`` randomly
     drawn units (t on ``units - 1`` df); infinite below ``MIN_UNITS`` units:
@@ -188,17 +205,21 @@ class Paired:
 
 
 def paired(point: Sequence[float], base: Sequence[float], binary: bool = False, tokens: bool = False,
-           windows: int = 0) -> Paired:
+           windows: int = 0, clusters: Sequence | None = None) -> Paired:
     """Paired comparison of per-item values (same items, same order).
     ``windows``: the items are the tokens of that many equal windows, in
-    order (standard error from the window means, the windows the units);
+    order (standard error from the window means, the windows the units;
+    with ``clusters``, each window's cluster, cluster-robust over them, the
+    clusters the units: :func:`cluster_stderr`);
     ``tokens`` without ``windows``: consecutive tokens of one text (block
     means); otherwise each item is an independent unit (a document)."""
     a, b = np.asarray(point, dtype=np.float64), np.asarray(base, dtype=np.float64)
     if a.shape != b.shape or a.size == 0:
         raise ValueError(f"paired comparison needs equal, non-empty item lists ({a.size} vs {b.size})")
     d = a - b
-    if windows:
+    if windows and clusters is not None:
+        se, units = cluster_stderr(group_means(d, windows), clusters)
+    elif windows:
         se, units = unit_stderr(d, windows), windows
     else:
         se, units = block_stderr(d) if tokens else (mean_stderr(d), int(d.size))

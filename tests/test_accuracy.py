@@ -168,6 +168,10 @@ def test_sweep_logs_accuracy_perplexity_recovery_and_results_json(tmp_path):
     items = tracker(c.tracking_uri).items(runs["int8@cpu"].info.run_id)
     assert len(items["acc/arc_easy_local"]) == 16 and len(items[ppl]) == 2 * 255
     assert math.exp(sum(items[ppl]) / len(items[ppl])) == pytest.approx(m[ppl], rel=1e-4)
+    # each window's article, the same for both points (same seed): the cluster the report's bound resamples
+    arts = items[f"articles/{ppl}"]
+    assert len(arts) == 2 and arts == tracker(c.tracking_uri).items(runs["fp32@cpu"].info.run_id)[f"articles/{ppl}"]
+    assert m[f"{ppl}_articles"] == len(set(arts)) and all(0 <= a < 70 for a in arts)
     text = proc.stdout
     assert "±" in text and "Decision rule:" in text and "95%" in text
     assert "int8@cpu: acc/arc_easy_local: diff" in text and "ln PPL ratio" in text
@@ -298,7 +302,9 @@ def test_adaptive_perplexity_stops_a_clear_point_and_the_report_bounds_it_over_i
     assert (proc.stdout + proc.stderr).count("computing the reference model's reference_nll") == 1
     assert int8.metrics[f"{ppl}_windows"] < 16 and int8.metrics[f"{ppl}_adaptive_cap"] == 16
     assert int8.tags["probe.perplexity.stop"].startswith("decided at")
-    assert len(tracker(c.tracking_uri).items(runs["int8@cpu"].info.run_id)[ppl]) == int8.metrics[f"{ppl}_windows"] * 127
+    int8_items = tracker(c.tracking_uri).items(runs["int8@cpu"].info.run_id)
+    assert len(int8_items[ppl]) == int8.metrics[f"{ppl}_windows"] * 127
+    assert len(int8_items[f"articles/{ppl}"]) == int8.metrics[f"{ppl}_windows"]  # the prefix it scored
     assert len(list((tmp_path / "cache" / "reference_nll").glob("*.safetensors"))) == 1
     assert f"Decision rule: loss on `{ppl}`" in proc.stdout and "anytime-valid over" in proc.stdout
     assert "Adaptive perplexity" in proc.stdout and "int8@cpu: decided at" in proc.stdout

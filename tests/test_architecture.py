@@ -21,7 +21,7 @@ PKG = Path(__file__).resolve().parent.parent / "quantlab"
 LAYERS = [
     ("base", ["errors", "digest", "point", "divergence", "decode", "stats", "uncertainty", "sequential", "pareto", "measurement",
               "hardware", "contention", "decision", "config", "corpus", "ports", "resources", "plugins", "shapes",
-              "model_files", "metric_names", "artifacts"]),
+              "model_files", "metric_names", "artifacts", "retime"]),
     ("data", ["models", "calibration", "tracking", "tracking_server", "store_read", "plots"]),
     ("schemes", ["schemes"]),
     ("serving", ["serving"]),
@@ -30,7 +30,8 @@ LAYERS = [
     ("writers", ["export.formats", "export.checkpoint", "export.gguf", "export.roundtrip", "export"]),
     ("targets", ["targets"]),
     ("app", ["compose", "provenance", "pipeline", "report", "report_cli", "serving_report", "scaling", "sweep", "cli",
-             "capabilities", "sensitivity", "__main__", "export.run", "export.cli", "export.__main__", "console", "api"]),
+             "capabilities", "sensitivity", "__main__", "export.run", "export.cli", "export.__main__", "console", "api",
+             "retiming"]),
 ]
 
 

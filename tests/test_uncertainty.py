@@ -390,3 +390,25 @@ def test_a_loss_without_a_bound_never_meets_a_budget_whoever_asks():
     assert lo.bound.p_value(0.5) == 1.0 and lo.upper == float("inf")
     lo = decision.loss("acc/x", {"acc/x": 0.5}, {}, {"acc/x": 0.5}, {})
     assert not lo.bounded and lo.bound.p_value(0.9) == 1.0
+
+
+def test_auto_passes_over_a_metric_whose_design_cannot_decide_any_budget():
+    """Failing-before for "decision.metric=auto picks acc/passkey" on the
+    long_context sweep: 12 passkey trials in 6 cells cannot bound any loss
+    (fewer than 8 clusters), so auto falls back to top-1 agreement and says
+    why in one line; a design that can decide is kept."""
+    ids = [f"L{L}-d{d}-t{t}" for L in (512, 2048) for d in (0, 0.5, 1) for t in range(2)]
+    cells = [i.rsplit("-", 1)[0] for i in ids]
+    items = {"bf16": {"acc/passkey": [1.0] * 12, "doc_ids/passkey": ids, "clusters/passkey": cells}}
+    runs = [_run("bf16", 16, {"acc/passkey": 1.0, "fid/top1_agree": 1.0})]
+    metric, why = report.auto_metric(runs, "auto", runs[0], items, (0.01, 0.05), 0.025)
+    assert metric == "fid/top1_agree" and why.startswith("auto passed over acc/passkey: a point identical to the "
+                                                          "baseline on every item would be bounded at inf")
+    assert report.decision_metric(runs) == "acc/passkey"  # without the baseline's items: the old order
+    many = [f"c{i}" for i in range(12)]  # 12 independent cells: a zero-miss point is bounded at about z^2 / 12
+    items["bf16"]["clusters/passkey"] = many
+    assert report.best_case("acc/passkey", runs[0], items, 0.025) == pytest.approx(
+        uncertainty.tango_upper(0, 0, 12, 0.025))
+    docs = {"bf16": {"acc/t": [1.0, 0.0] * 500, "doc_ids/t": list(range(1000))}}
+    kept = [_run("bf16", 16, {"acc/t": 0.5})]
+    assert report.auto_metric(kept, "auto", kept[0], docs, (0.01, 0.05), 0.025) == ("acc/t", "")

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from quantlab.metric_names import CLUSTERS
 from quantlab.errors import UserError
 from quantlab.probes.kv_position import tokens_name
 from quantlab.uncertainty import mean_stderr, wilson_upper
@@ -165,7 +166,9 @@ def summarize(rows: list[dict], cached: bool) -> tuple[dict[str, float], dict[st
     ``match_ref, nll_ref``).
 
     ``acc/passkey``: the exact-match rate over every trial (per-trial 0/1
-    items with ``doc_ids/passkey``: the report pairs points trial by trial);
+    items with ``doc_ids/passkey``: the report pairs points trial by trial;
+    ``clusters/passkey``: each trial's cell, length and depth, whose trials
+    share their filler and position: the report's bound counts cells);
     ``passkey/acc_<length>`` with its two-sided 95 % Wilson interval
     (``_lower``, ``_upper``); ``passkey/key_nll``; with the reference,
     ``passkey/acc_nocache`` and ``passkey/dnll`` (cached minus uncached key
@@ -175,6 +178,7 @@ def summarize(rows: list[dict], cached: bool) -> tuple[dict[str, float], dict[st
     metrics: dict[str, float] = {"passkey/trials": float(n), "acc/passkey": float(match.mean()),
                                  "passkey/key_nll": float(np.mean([r["nll"] for r in rows]))}
     items: dict[str, list] = {"acc/passkey": match.tolist(), "doc_ids/passkey": [r["id"] for r in rows],
+                              f"{CLUSTERS}passkey": [f"L{r['length']}-d{r['depth']:g}" for r in rows],
                               "passkey/key_nll": [round(r["nll"], 6) for r in rows]}
     if cached:
         ref = np.array([r["match_ref"] for r in rows], dtype=float)

@@ -23,7 +23,7 @@ import torch
 
 from quantlab import corpus, decision, sequential
 from quantlab.errors import UserError
-from quantlab.uncertainty import MIN_UNITS, mean_stderr, unit_stderr
+from quantlab.uncertainty import MIN_UNITS, cluster_stderr, mean_stderr, unit_stderr
 
 
 def wikitext2_text(data_dir: str | None) -> str:
@@ -48,16 +48,18 @@ def windows(ids: torch.Tensor, window: int, max_windows: int | None) -> tuple[to
     return ids[: n * window].reshape(n, window), total
 
 
-def sample(tokenizer, raw: str, window: int, max_windows: int | None, seed: int) -> tuple[torch.Tensor, str]:
-    """``(windows [n, window], metric name)``: every window of the split in
-    text order (``max_windows`` None, GPTQ's design), else ``max_windows``
-    drawn at random within articles (:func:`quantlab.corpus.random_windows`)."""
+def sample(tokenizer, raw: str, window: int, max_windows: int | None,
+           seed: int) -> tuple[torch.Tensor, str, list[int] | None]:
+    """``(windows [n, window], metric name, each window's article)``: every
+    window of the split in text order (``max_windows`` None, GPTQ's design;
+    no articles), else ``max_windows`` drawn at random within articles
+    (:func:`quantlab.corpus.windows_in_articles`)."""
     if max_windows is None:
         ids = tokenizer(raw, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
         wins, _ = windows(ids, window, None)
-        return wins, metric_name(window, len(wins), len(wins))
-    wins, _ = corpus.random_windows(tokenizer, raw, window, max_windows, seed)
-    return wins, metric_name(window, len(wins), None)
+        return wins, metric_name(window, len(wins), len(wins)), None
+    wins, _, articles = corpus.windows_in_articles(tokenizer, raw, window, max_windows, seed)
+    return wins, metric_name(window, len(wins), None), articles
 
 
 def metric_name(window: int, n: int, total: int | None) -> str:
@@ -89,14 +91,19 @@ def token_nll(engine, wins: torch.Tensor, rows: int | None = None) -> np.ndarray
     return np.concatenate([-engine.token_logprobs(wins[i:i + step])[0].numpy() for i in range(0, len(wins), step)])
 
 
-def summary(nll: np.ndarray, name: str) -> dict[str, float]:
+def summary(nll: np.ndarray, name: str, articles: list[int] | None = None) -> dict[str, float]:
     """Perplexity exp(mean NLL) over every predicted token; the standard error
     of ln(PPL) (``<name>_ln_stderr``) from the window means (``<name>_windows``
-    of them, the unit: see :mod:`quantlab.uncertainty`; 0 for one window),
-    the per-token one as ``<name>_ln_stderr_tokens`` (a narrower, secondary
-    figure)."""
-    return {name: math.exp(float(nll.mean())), f"{name}_ln_stderr": unit_stderr(nll, nll.shape[0]),
-            f"{name}_ln_stderr_tokens": mean_stderr(nll.ravel()), f"{name}_windows": float(nll.shape[0])}
+    of them: see :mod:`quantlab.uncertainty`; 0 for one window), with each
+    window's article given, cluster-robust over them (``<name>_articles``:
+    the unit), the per-token one as ``<name>_ln_stderr_tokens`` (a narrower,
+    secondary figure)."""
+    out = {name: math.exp(float(nll.mean())), f"{name}_ln_stderr": unit_stderr(nll, nll.shape[0]),
+           f"{name}_ln_stderr_tokens": mean_stderr(nll.ravel()), f"{name}_windows": float(nll.shape[0])}
+    if articles is not None:
+        se, n = cluster_stderr(nll.mean(axis=1), articles[:nll.shape[0]])
+        out.update({f"{name}_ln_stderr": se, f"{name}_articles": float(n)})
+    return out
 
 
 def token_perplexity(engine, wins: torch.Tensor, total: int | None = None) -> dict[str, float]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from quantlab import corpus, plots, point
+from quantlab import corpus, metric_names, plots, point
 from quantlab.config import RunConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import (accuracy, accuracy_adaptive, energy, fidelity, kv_capacity, kv_position, latency, load,
@@ -72,13 +72,15 @@ class PerplexityProbe:
 
     def run(self, ctx: ProbeContext) -> ProbeResult:
         cfg, ppl, out = ctx.cfg, ctx.cfg.probe.perplexity, ProbeResult()
-        wins, metric = perplexity.sample(ctx.tokenizer, perplexity.wikitext2_text(cfg.data_dir), ppl.window,
-                                         ppl.max_windows, cfg.seed)  # the cap's name, however many scored
+        wins, metric, articles = perplexity.sample(ctx.tokenizer, perplexity.wikitext2_text(cfg.data_dir), ppl.window,
+                                                   ppl.max_windows, cfg.seed)  # the cap's name, however many scored
         ctx.log("perplexity probe (%d windows of %d tokens, %s%s)", len(wins), ppl.window,
                 "the whole split" if ppl.max_windows is None else "drawn at random", ", adaptive" if ppl.adaptive else "")
         nll = self._adaptive(ctx, wins, metric, out) if ppl.adaptive else perplexity.token_nll(ctx.engine, wins)
-        out.metrics.update(perplexity.summary(nll, metric))
+        out.metrics.update(perplexity.summary(nll, metric, articles))
         out.items[metric] = [round(float(x), 5) for x in nll.ravel()]
+        if articles is not None:  # the windows scored (an adaptive point: a prefix of the draw)
+            out.items[f"{metric_names.ARTICLES}{metric}"] = articles[:nll.shape[0]]
         return out
 
     @staticmethod
