@@ -217,9 +217,17 @@ class AccuracyProbeConfig:
     each of ``adaptive_budgets`` is decided for its 0/1 metrics against the
     reference model at ``adaptive_alpha``
     (:mod:`quantlab.probes.accuracy_adaptive`); only the multiple-choice
-    tasks of :data:`ADAPTIVE_TASKS`. Float points score the cap."""
+    tasks of :data:`ADAPTIVE_TASKS`. Float points score the cap.
+
+    ``cascade``: not run on a point the decision already excluded: where the
+    decision metric is the point's perplexity, whose loss against the
+    reference model is above every ``decision.budgets`` with error
+    ``adaptive_alpha`` (the perplexity probe's ``<metric>_ref_loss_lower``),
+    lm-eval could only describe a point no budget can pick (tag
+    ``probe.accuracy.skipped``)."""
 
     enabled: bool = False
+    cascade: bool = False
     tasks: list[str] = field(default_factory=lambda: ["arc_easy_local"])
     limit: Optional[int] = field(default=100, metadata={"min": 1})
     batch_size: int = field(default=8, metadata={"min": 1})

@@ -74,7 +74,7 @@ class ProbeSpec:
 
 
 # logged beside a metric, not metrics
-AUXILIARY = ("_windows", "_articles", "_documents", "_stderr", "_stderr_tokens", "_blocks", "_adaptive_cap", "_adaptive_chunk")
+AUXILIARY = ("_windows", "_articles", "_ref_loss_lower", "_documents", "_stderr", "_stderr_tokens", "_blocks", "_adaptive_cap", "_adaptive_chunk")
 CLUSTERS = "clusters/"  # items: clusters/<task> is each document's cluster (items that share structure)
 ARTICLES = "articles/"  # items: articles/<metric> is each window's article (the cluster of a perplexity's bound)
 IDENTICAL = "fid/identical"  # 1.0: the point's log-probabilities equal the reference's on every position

@@ -88,9 +88,8 @@ def _cannot(names: list[str], by_name: dict) -> str:
 
 
 def measure(tracker: tracking.Tracker, runs: list, rounds: int) -> Retimed:
-    """Build every run's engine, one warm-up request each, then ``rounds``
-    rounds of one request per engine (its point's primary latency cell),
-    the order reversed every other round; per round, each one's median step."""
+    """Build every run's engine (its point's own config, as it logged it),
+    then :func:`interleave` them."""
     with contextlib.ExitStack() as stack:
         built = []
         for r in runs:
@@ -99,21 +98,30 @@ def measure(tracker: tracking.Tracker, runs: list, rounds: int) -> Retimed:
             state = source.get().data.tags.get(quantized_state.TAG)
             engine, _model, tok, _target = stack.enter_context(
                 pipeline.built(cfg, r.info.run_name, Measurement(), state=state))
-            lat = cfg.probe.latency
-            if lat.new_tokens < 2:
-                raise ValueError(f"{r.info.run_name}: probe.latency.new_tokens={lat.new_tokens} times no decode step")
-            prompt = corpus.prompt_text(tok, lat.prompt_tokens)
-            built.append((r.info.run_name, engine, tok, prompt, lat, engine.clock()))
-        for _name, engine, tok, prompt, lat, clock in built:
-            for _ in range(max(1, lat.warmup)):
-                latency.run_request(engine, tok, prompt, lat, clock)
-        table = []
-        for i in range(rounds):
-            row = {}
-            for name, engine, tok, prompt, lat, clock in (built if i % 2 == 0 else built[::-1]):
-                row[name] = statistics.median(latency.run_request(engine, tok, prompt, lat, clock).step_ms)
-            table.append(tuple(row[n] for n, *_ in built))
-        lat = built[0][4]
-    return Retimed(tuple(n for n, *_ in built), tuple(table),
+            built.append((r.info.run_name, engine, tok, cfg.probe.latency))
+        return interleave(built, rounds)
+
+
+def interleave(built: list[tuple], rounds: int) -> Retimed:
+    """``built``: ``(name, engine, tokenizer, latency probe config)`` each.
+    One warm-up request each, then ``rounds`` rounds of one request per
+    engine (its latency config's primary cell), the order reversed every
+    other round; per round, each one's median step."""
+    timed = []
+    for name, engine, tok, lat in built:
+        if lat.new_tokens < 2:
+            raise ValueError(f"{name}: probe.latency.new_tokens={lat.new_tokens} times no decode step")
+        timed.append((name, engine, tok, corpus.prompt_text(tok, lat.prompt_tokens), lat, engine.clock()))
+    for _name, engine, tok, prompt, lat, clock in timed:
+        for _ in range(max(1, lat.warmup)):
+            latency.run_request(engine, tok, prompt, lat, clock)
+    table = []
+    for i in range(rounds):
+        row = {}
+        for name, engine, tok, prompt, lat, clock in (timed if i % 2 == 0 else timed[::-1]):
+            row[name] = statistics.median(latency.run_request(engine, tok, prompt, lat, clock).step_ms)
+        table.append(tuple(row[n] for n, *_ in timed))
+    lat = timed[0][4]
+    return Retimed(tuple(n for n, *_ in timed), tuple(table),
                    f"batch {lat.batch_size}, prompt {lat.prompt_tokens} tokens, {lat.new_tokens} new tokens, "
                    f"host {provenance.host_id()}")

@@ -192,3 +192,42 @@ def test_passkey_trials_of_one_cell_are_not_independent():
         assert before > 0.05 + 2 * se_b and after <= 0.05 + 2 * se_a, (icc, before, after)
     lo = passkey_loss(rng, 0.05, 0.0, 0.0, True)  # nothing differs: the cells count, not the trials
     assert "effective n 15 of 60 items in 15 clusters" in lo.bound.method
+
+
+def test_the_reference_loss_lower_bound_is_the_paired_t_bound_over_articles():
+    from scipy import stats
+
+    rng = np.random.default_rng(2)
+    ref = rng.gamma(2.0, 1.5, (12, 15))
+    nll = ref + 0.08 + rng.normal(0, 0.3, (12, 15))
+    arts = [0, 0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8]
+    d = (nll - ref).mean(axis=1)
+    se, n = uncertainty.cluster_stderr(d, arts)
+    want = 1 - math.exp(-(d.mean() - stats.t.ppf(0.995, n - 1) * se))
+    assert perplexity.loss_lower(nll, ref, arts, 0.005) == pytest.approx(want, rel=1e-9)
+    assert perplexity.loss_lower(nll[:4], ref[:4], None, 0.005) == -math.inf  # 4 windows: no bound
+
+
+def test_lm_eval_is_skipped_only_on_a_point_the_perplexity_excluded():
+    """The headline's cascade: lm-eval is information only where the
+    decision metric is perplexity, so a point whose perplexity loss against
+    the reference is surely above every budget does not pay for it."""
+    from types import MappingProxyType
+
+    from quantlab.probes import standard
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["model=tiny", "probe=headline", "decision.budgets=[0.01,0.05]"])
+    assert cfg.probe.accuracy.cascade and standard.cascades(cfg)
+
+    def ctx(lower):
+        return standard.ProbeContext(cfg=cfg, name="p", engine=None, tokenizer=None, model=None, serves_export=False,
+                                     metrics=MappingProxyType({"ppl_token_wikitext2_w128_rand64_ref_loss_lower": lower}),
+                                     tags=MappingProxyType({}))
+
+    why = standard.excluded(ctx(0.08))
+    assert why.startswith("excluded by the decision metric: its perplexity loses at least 0.08 against the "
+                          "reference (error 0.005), above every budget (0.01, 0.05)")
+    assert standard.excluded(ctx(0.03)) == ""  # it may still be within 5 %: lm-eval runs
+    for other in (["decision.metric=acc/arc_easy_local"], ["probe.accuracy.cascade=false"]):
+        assert not standard.cascades(compose_cfg(["model=tiny", "probe=headline", *other]))

@@ -23,7 +23,7 @@ import torch
 
 from quantlab import corpus, decision, sequential
 from quantlab.errors import UserError
-from quantlab.uncertainty import MIN_UNITS, cluster_stderr, mean_stderr, unit_stderr
+from quantlab.uncertainty import MIN_UNITS, cluster_stderr, mean_stderr, paired, quantile, unit_stderr
 
 
 def wikitext2_text(data_dir: str | None) -> str:
@@ -104,6 +104,17 @@ def summary(nll: np.ndarray, name: str, articles: list[int] | None = None) -> di
         se, n = cluster_stderr(nll.mean(axis=1), articles[:nll.shape[0]])
         out.update({f"{name}_ln_stderr": se, f"{name}_articles": float(n)})
     return out
+
+
+def loss_lower(nll: np.ndarray, ref: np.ndarray, articles: list | None, alpha: float) -> float:
+    """One-sided ``1 - alpha`` lower bound of the loss 1 - PPL(ref) / PPL(point)
+    from paired per-token NLLs ``[windows, window - 1]``: t on the window
+    means, cluster-robust over ``articles`` where given; -inf with fewer
+    than ``MIN_UNITS`` units."""
+    pair = paired(nll.ravel(), ref.ravel(), tokens=True, windows=nll.shape[0], clusters=articles)
+    if pair.units < MIN_UNITS:
+        return -math.inf
+    return 1.0 - math.exp(-(pair.diff - quantile(alpha, pair.units) * pair.stderr))
 
 
 def token_perplexity(engine, wins: torch.Tensor, total: int | None = None) -> dict[str, float]:

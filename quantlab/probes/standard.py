@@ -5,10 +5,12 @@ numerics module and returns what it measured (:mod:`quantlab.probes.base`)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from quantlab import corpus, metric_names, plots, point
@@ -81,7 +83,19 @@ class PerplexityProbe:
         out.items[metric] = [round(float(x), 5) for x in nll.ravel()]
         if articles is not None:  # the windows scored (an adaptive point: a prefix of the draw)
             out.items[f"{metric_names.ARTICLES}{metric}"] = articles[:nll.shape[0]]
+        if cascades(cfg) and not ctx.identical_to_reference():
+            ref = self._reference(ctx, wins)[:nll.shape[0]]
+            lower = perplexity.loss_lower(nll, ref, articles[:nll.shape[0]] if articles else None,
+                                          cfg.probe.accuracy.adaptive_alpha)
+            if math.isfinite(lower):  # fewer than MIN_UNITS units: no bound, nothing excluded
+                out.metrics[f"{metric}_ref_loss_lower"] = lower
         return out
+
+    @staticmethod
+    def _reference(ctx: ProbeContext, wins: torch.Tensor) -> np.ndarray:
+        """The reference model's per-token NLLs on ``wins`` (computed once, cached)."""
+        return fidelity.cached("reference_nll", ctx.reference_key(), wins, ctx.cfg.cache_dir, lambda: torch.from_numpy(
+            perplexity.token_nll(ctx.engine_for_reference(), wins))).numpy()
 
     @staticmethod
     def _adaptive(ctx: ProbeContext, wins: torch.Tensor, metric: str, out: ProbeResult):
@@ -90,15 +104,14 @@ class PerplexityProbe:
         sequential bound reads them. A point identical to the reference
         (:meth:`ProbeContext.identical_to_reference`) takes the reference's
         windows over the cap: the fixed design's."""
-        cfg, ppl, same = ctx.cfg, ctx.cfg.probe.perplexity, ctx.identical_to_reference()
-        ref = fidelity.cached("reference_nll", ctx.reference_key(), wins, cfg.cache_dir,
-                              lambda: torch.from_numpy(perplexity.token_nll(ctx.engine_for_reference(), wins)))
+        ppl, same = ctx.cfg.probe.perplexity, ctx.identical_to_reference()
+        ref = PerplexityProbe._reference(ctx, wins)
         if same:
             out.tags[point.PPL_STOP_TAG] = f"{point.IDENTICAL_STOP}: its {len(wins)} windows are the reference's"
             ctx.log("perplexity: %s", out.tags[point.PPL_STOP_TAG])
-            return ref.numpy()
+            return ref
         baseline = ctx.baseline_candidate()
-        st = perplexity.adaptive_nll(ctx.engine, wins, ref.numpy(), ppl.adaptive_chunk, ppl.adaptive_budgets,
+        st = perplexity.adaptive_nll(ctx.engine, wins, ref, ppl.adaptive_chunk, ppl.adaptive_budgets,
                                      ppl.adaptive_alpha, baseline, lambda line: ctx.log("perplexity: %s", line))
         ctx.log("perplexity: %s", st.reason)
         if not baseline:  # a baseline candidate's design is fixed: the report bounds it as one
@@ -106,6 +119,29 @@ class PerplexityProbe:
                                 f"{metric}_adaptive_chunk": float(ppl.adaptive_chunk)})
         out.tags[point.PPL_STOP_TAG] = st.reason
         return st.nll
+
+
+def cascades(cfg: RunConfig) -> bool:
+    """lm-eval is spent only where the decision is still open
+    (``probe.accuracy.cascade``): the decision metric is the perplexity."""
+    acc, ppl, metric = cfg.probe.accuracy, cfg.probe.perplexity, cfg.decision.metric
+    return acc.enabled and acc.cascade and ppl.enabled and (
+        metric == "auto" or metric.removeprefix("recovery/").startswith(metric_names.PPL_STEM))
+
+
+def excluded(ctx: ProbeContext) -> str:
+    """Why the decision has already excluded this point ('' where it has
+    not): its perplexity's loss against the reference is above every budget
+    (:func:`cascades`)."""
+    if not cascades(ctx.cfg):
+        return ""
+    lower = next((v for k, v in ctx.metrics.items() if k.endswith("_ref_loss_lower")), None)
+    budgets, alpha = ctx.cfg.decision.budgets, ctx.cfg.probe.accuracy.adaptive_alpha
+    if lower is None or lower <= max(budgets):
+        return ""
+    return (f"excluded by the decision metric: its perplexity loses at least {lower:.3g} against the reference "
+            f"(error {alpha:g}), above every budget ({', '.join(f'{b:g}' for b in budgets)}); lm-eval here could "
+            f"only describe a point no budget can pick (probe.accuracy.cascade=false scores it)")
 
 
 class AccuracyProbe:
@@ -119,6 +155,10 @@ class AccuracyProbe:
 
     def run(self, ctx: ProbeContext) -> ProbeResult:
         cfg, acc, out = ctx.cfg, ctx.cfg.probe.accuracy, ProbeResult()
+        if why := excluded(ctx):
+            out.tags["probe.accuracy.skipped"] = why
+            ctx.log("lm-eval skipped: %s", why)
+            return out
         ctx.log("lm-eval %s (limit %s%s)", ",".join(acc.tasks), acc.limit, ", adaptive" if acc.adaptive else "")
         if acc.adaptive:
             metrics, results, items, stops = accuracy_adaptive.run(
