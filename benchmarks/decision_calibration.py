@@ -22,7 +22,8 @@ budget. Designs:
 Each adaptive row also prints the mean windows a trial scored at each true loss.
 Articles that differ (``article_loss``): each trial a fresh split of 61
 articles whose paired NLL difference shifts by 0 / 0.01 / 0.02 nats sd per
-article, the truth the mean over articles like them; the fixed 64-window
+article (and 0.005 or 0.06 per window), the truth the mean over articles
+like them; the fixed 64-window
 design bounded with the window as the unit (before) or cluster-robust over
 the articles the windows fell in (the report).
 Passkey trials in cells (``passkey_loss``): 15 cells of 4 trials whose
@@ -111,17 +112,18 @@ def perplexity_loss(rng, design: str, budget: float, multiple: float, tau: float
 
 
 ARTICLE_SHIFTS = (0.0, 0.01, 0.02)  # sd (nats) of an article's shift in the paired NLL difference
+ARTICLE_TAUS = (0.005, 0.06)  # window shift beside the article's (0.06: measured for int4-g32)
 ARTICLES = 61  # WikiText-2's test split has 61 articles, about 2,200 windows of 128 tokens
 
 
 def article_loss(rng, budget: float, multiple: float, shift: float, clustered: bool, windows: int = 64,
-                 window: int = 128) -> decision.Loss:
+                 window: int = 128, tau: float = 0.005) -> decision.Loss:
     """One point's loss on the report's path when articles differ: each
     trial a fresh split of ``ARTICLES`` articles (sizes lognormal, about
     2,200 windows in all) whose paired NLL difference is shifted by
     ``shift * N(0, 1)`` each, the truth being the mean over articles like
     them (``multiple * budget``); ``windows`` drawn at random among the
-    split's windows (window shift 0.005, AR(1) 0.3 tokens). ``clustered``:
+    split's windows (window shift ``tau``, AR(1) 0.3 tokens). ``clustered``:
     the run logs each window's article (the report bounds over articles);
     else the window is the unit (the report before)."""
     sizes = np.maximum(1, np.round(rng.lognormal(math.log(30.0), 0.7, ARTICLES))).astype(int)
@@ -130,7 +132,7 @@ def article_loss(rng, budget: float, multiple: float, shift: float, clustered: b
     article = shift * rng.standard_normal(ARTICLES)
     base = rng.gamma(2.0, 1.5, (windows, window - 1))
     mu = -math.log(1 - multiple * budget)
-    point = base + mu + article[drawn][:, None] + _diffs(rng, windows, window, 0.0, 0.005, SIGMA[budget], "ar0.3")
+    point = base + mu + article[drawn][:, None] + _diffs(rng, windows, window, 0.0, tau, SIGMA[budget], "ar0.3")
     key = perplexity.metric_name(window, windows, None)
     items, base_items = {key: list(point.ravel())}, {key: list(base.ravel())}
     if clustered:
@@ -240,11 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         worst15 = max(worst15, cells[1][0])
         if budget == 0.05 and design != "first2":
             power5.append(cells[2][0])
-    for shift, clustered, budget in itertools.product(ARTICLE_SHIFTS, (False, True), BUDGETS):
-        cells = [rate(lambda m=m: article_loss(rng, budget, m, shift, clustered), budget, args.trials)
+    for shift, tau, clustered, budget in itertools.product(ARTICLE_SHIFTS, ARTICLE_TAUS, (False, True), BUDGETS):
+        cells = [rate(lambda m=m: article_loss(rng, budget, m, shift, clustered, tau=tau), budget, args.trials)
                  for m in MULTIPLES]
         print(f"| perplexity, articles differ | fixed64, {'articles the unit' if clustered else 'windows the unit'} "
-              f"| ar0.3 | article {shift:g} | {budget:g} | "
+              f"| ar0.3 | article {shift:g}, window {tau:g} | {budget:g} | "
               + " | ".join(f"{p:.3f} ({se:.3f})" for p, se in cells) + " | - |", flush=True)
         if clustered:  # the report's bound; the window-unit rows show what it replaced
             worst = max(worst, cells[0][0] - 2 * cells[0][1])

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Optional
 import psutil
 from omegaconf import MISSING
 
-from quantlab import artifacts, metric_names, model_files, uncertainty
+from quantlab import artifacts, metric_names, model_files
 from quantlab.shapes import SHAPES
 
 
@@ -521,14 +521,16 @@ class DecisionConfig:
     tie_break: str = field(default="size", metadata={"choices": ("size", "bits", "latency")})
 
     def check(self, path: str) -> None:
+        from quantlab.uncertainty import MIN_UNITS  # here: a report's command line reads this module without scipy
+
         if not self.alpha < 1:
             raise ValueError(f"{path}alpha={self.alpha}: an error rate, below 1")
         if not self.latency_share < 1:
             raise ValueError(f"{path}latency_share={self.latency_share}: the latency half's share of alpha, "
                              f"in (0, 1)")
-        if 0 < self.retime_rounds < uncertainty.MIN_UNITS:
+        if 0 < self.retime_rounds < MIN_UNITS:
             raise ValueError(f"{path}retime_rounds={self.retime_rounds}: 0 (no re-timing) or at least "
-                             f"{uncertainty.MIN_UNITS} rounds (the round is the unit of the latency bound)")
+                             f"{MIN_UNITS} rounds (the round is the unit of the latency bound)")
         if not self.budgets:
             raise ValueError(f"{path}budgets=[]: at least one budget (relative losses, e.g. [0.01,0.05])")
         spec = metric_names.spec(self.metric.removeprefix("recovery/"))

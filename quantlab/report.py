@@ -219,15 +219,17 @@ def auto_metric(runs, choice: str = "auto", base=None, items: dict | None = None
     if choice != "auto":
         return decision.base_metric(choice), ""
     keys = sorted({k for r in runs for k in r.data.metrics if not decision.auxiliary(k)})
+    order = [k for prefix in ("ppl_token_wikitext2_w", "acc_norm/", "acc/") for k in keys if k.startswith(prefix)]
+    order += ["fid/top1_agree"] if "fid/top1_agree" in keys or not order else []
     why = []
-    for prefix in ("ppl_token_wikitext2_w", "acc_norm/", "acc/"):
-        for k in (k for k in keys if k.startswith(prefix)):
-            best = best_case(k, base, items, alpha) if base is not None and budgets else 0.0
-            if best <= max(budgets, default=math.inf):
-                return k, "; ".join(why)
-            why.append(f"auto passed over {k}: a point identical to the baseline on every item would be bounded at "
-                       f"{best:.3g}, above the largest budget {max(budgets):g}, so it cannot decide any")
-    return "fid/top1_agree", "; ".join(why)
+    for k in order:
+        best = best_case(k, base, items, alpha) if base is not None and budgets else 0.0
+        if best <= max(budgets, default=math.inf):
+            return k, "; ".join(why)
+        why.append(f"auto passed over {k}: a point identical to the baseline on every item would be bounded at "
+                   f"{best:.3g}, above the largest budget {max(budgets):g}, so it cannot decide any")
+    return order[0], (f"no measured metric can decide a budget ({'; '.join(why)}): {order[0]} is shown, and no "
+                      f"point can qualify on it")
 
 
 def best_case(metric: str, base, items: dict | None, alpha: float) -> float:

@@ -53,7 +53,8 @@ def after_sweep(tracker: tracking.Tracker, parent_id: str) -> Retimed | None:
     recs = report.loss_half(runs, base, items, decision)
     names = candidates(recs, decision.retime_points)
     by_name = {r.info.run_name: r for r in runs}
-    why = _cannot(names, by_name)
+    why = "the pick is by capacity under load (a serving sweep), which is not re-timed" \
+        if report.objective(runs) == "capacity" else _cannot(names, by_name)
     if why:
         parent.set_tags({SKIPPED_TAG: why})
         log.info("re-timing: none (%s)", why)

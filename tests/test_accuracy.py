@@ -173,7 +173,7 @@ def test_sweep_logs_accuracy_perplexity_recovery_and_results_json(tmp_path):
     assert len(arts) == 2 and arts == tracker(c.tracking_uri).items(runs["fp32@cpu"].info.run_id)[f"articles/{ppl}"]
     assert m[f"{ppl}_articles"] == len(set(arts)) and all(0 <= a < 70 for a in arts)
     text = proc.stdout
-    assert "±" in text and "Decision rule:" in text and "95%" in text
+    assert "±" in text and "Decision rule:" in text and "one-sided upper bound" in text
     assert "int8@cpu: acc/arc_easy_local: diff" in text and "ln PPL ratio" in text
 
 
@@ -323,8 +323,8 @@ def test_adaptive_lm_eval_stops_a_clear_point_and_the_report_bounds_it_over_its_
     proc = run_cli(["-m", "model=tiny", "scheme/weights=fp32,int8", "probe=smoke", "probe.cache.enabled=false",
                     "probe.accuracy.enabled=true", "probe.accuracy.tasks=[arc_easy_local]", "probe.accuracy.limit=200",
                     "probe.accuracy.adaptive=true", "probe.accuracy.adaptive_chunk=25",
-                    "probe.accuracy.adaptive_budgets=[0.5]", "probe.latency.repeats=1", "probe.latency.new_tokens=4",
-                    f"cache_dir={tmp_path}/cache", f"data_dir={SHARED_DATA}",
+                    "probe.accuracy.adaptive_budgets=[0.5]", "decision.budgets=[0.5]", "probe.latency.repeats=1",
+                    "probe.latency.new_tokens=4", f"cache_dir={tmp_path}/cache", f"data_dir={SHARED_DATA}",
                     f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     c = MlflowClient(uri)

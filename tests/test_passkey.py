@@ -207,5 +207,7 @@ def test_a_sweep_logs_retrieval_and_the_report_decides_on_it(tmp_path):
     assert len([ln for ln in section.splitlines() if ln.startswith("| bf16")]) == 2
     # a latency-free, perplexity-free sweep decides on retrieval by default
     assert "acc/passkey" in out.stdout.split("Declared at launch", 1)[1]
+    # 4 cells cannot bound any loss (fewer than 8 clusters): shown, and said to decide nothing
+    assert "no measured metric can decide a budget (auto passed over acc/passkey" in out.stdout
     # no latency probe: nothing to pick by, and the report says so rather than "no point qualifies"
     assert "Within 1% loss: nothing to rank: no point measured lat/tpot_ms_p50" in out.stdout

@@ -400,7 +400,7 @@ def test_auto_passes_over_a_metric_whose_design_cannot_decide_any_budget():
     ids = [f"L{L}-d{d}-t{t}" for L in (512, 2048) for d in (0, 0.5, 1) for t in range(2)]
     cells = [i.rsplit("-", 1)[0] for i in ids]
     items = {"bf16": {"acc/passkey": [1.0] * 12, "doc_ids/passkey": ids, "clusters/passkey": cells}}
-    runs = [_run("bf16", 16, {"acc/passkey": 1.0, "fid/top1_agree": 1.0})]
+    runs = [_run("bf16", 16, {"acc/passkey": 1.0, "fid/top1_agree": 1.0, "fid/identical": 1.0})]
     metric, why = report.auto_metric(runs, "auto", runs[0], items, (0.01, 0.05), 0.025)
     assert metric == "fid/top1_agree" and why.startswith("auto passed over acc/passkey: a point identical to the "
                                                           "baseline on every item would be bounded at inf")
@@ -412,3 +412,8 @@ def test_auto_passes_over_a_metric_whose_design_cannot_decide_any_budget():
     docs = {"bf16": {"acc/t": [1.0, 0.0] * 500, "doc_ids/t": list(range(1000))}}
     kept = [_run("bf16", 16, {"acc/t": 0.5})]
     assert report.auto_metric(kept, "auto", kept[0], docs, (0.01, 0.05), 0.025) == ("acc/t", "")
+    items["bf16"]["clusters/passkey"] = cells  # nothing can decide: the first is shown, and the report says so
+    alone = [_run("bf16", 16, {"acc/passkey": 1.0})]
+    metric, why = report.auto_metric(alone, "auto", alone[0], items, (0.01, 0.05), 0.025)
+    assert metric == "acc/passkey" and why.startswith("no measured metric can decide a budget (auto passed over "
+                                                      "acc/passkey") and why.endswith("no point can qualify on it")
