@@ -82,9 +82,9 @@ def _cannot(names: list[str], by_name: dict) -> str:
     if held:
         return f"{', '.join(held)}: their target holds one engine at a time"
     need = sum(by_name[n].data.metrics.get("size/weight_mb", 0.0) for n in names) * 2**20 * MEMORY_HEADROOM
-    if need > psutil.virtual_memory().available:
-        return (f"their engines need about {need / 2**30:.1f} GiB at once, {psutil.virtual_memory().available / 2**30:.1f}"
-                f" GiB is available")
+    available = psutil.virtual_memory().available
+    if need > available:
+        return f"their engines need about {need / 2**30:.1f} GiB at once, {available / 2**30:.1f} GiB is available"
     return ""
 
 
