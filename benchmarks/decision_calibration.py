@@ -206,6 +206,12 @@ def rate(make, budget: float, trials: int) -> tuple[float, float]:
         pts = [Point("p", 1.0, lo.value, False, lo.upper if lo.bounded else None,
                      lo.bound.p_value if lo.bounded else None, lo.bound.method)]
         hits += fastest_within(pts, budget).point is not None
+    return share(hits, trials)
+
+
+def share(hits: int, trials: int) -> tuple[float, float]:
+    """``hits / trials`` and its binomial se (floored above 0, so that a cell
+    with no hit still states a tolerance)."""
     p = hits / trials
     return p, math.sqrt(max(p * (1 - p), 1e-12) / trials)
 

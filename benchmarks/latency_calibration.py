@@ -29,13 +29,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
 
-from quantlab import retime, uncertainty
-from quantlab.pareto import Point, fastest_within
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decision_calibration import share  # noqa: E402
+
+from quantlab import retime, uncertainty  # noqa: E402
+from quantlab.pareto import Point, fastest_within  # noqa: E402
 
 GAPS = (0.0, 0.01, 0.02, 0.03, 0.04, 0.06)
 DRIFTS = (0.0, 0.05)
@@ -91,8 +96,7 @@ def latency_error(rng, gap: float, k: int, rounds: int, noise: str, drift: float
         c = retime.claim(names, rounds_table(rng, true_ms, rounds, noise, drift, host), alpha, tie_break, rank)
         truth = {n: true_ms[j] for j, n in enumerate(names)}
         bad += any(truth[c.pick] > (1 + c.within) * truth[n] for n in names if n != c.pick)
-    p = bad / trials
-    return p, math.sqrt(p * (1 - p) / trials)
+    return share(bad, trials)
 
 
 def _normal_point(rng, name: str, loss: float, se: float) -> Point:
@@ -116,8 +120,7 @@ def joint_error(rng, budgets: tuple[float, float], se: float, alpha: float, tria
             truth = {"A": budgets[0], "B": budgets[1]}
             wrong |= any(truth[p.name] >= b for p in rec.qualified)
         bad += wrong
-    p = bad / trials
-    return p, math.sqrt(p * (1 - p) / trials)
+    return share(bad, trials)
 
 
 def main(argv: list[str] | None = None) -> int:

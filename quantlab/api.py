@@ -109,7 +109,6 @@ def fastest_within(frame: pandas.DataFrame, budget: float, *, alpha: float | Non
     declared one (``frame.attrs``), else 0.05."""
     from quantlab import report
     from quantlab.pareto import Point, fastest_within as decide
-    from quantlab.retime import claim
 
     if cost not in frame.columns:
         raise UserError(f"no column {cost!r} in this frame (a cost such as lat/tpot_ms_p50, size/weight_mb)")
@@ -130,13 +129,11 @@ def fastest_within(frame: pandas.DataFrame, budget: float, *, alpha: float | Non
     rec = decide(list(pts.values()), budget, include_emulated, alpha, budgets=frame.attrs.get("budgets", ()))
     if rec.point is None:
         return None
-    name = rec.point.name
     if retimed:
         figure = report.TIE_BREAKS.get(latency.tie_break)
         rank = {r["point"]: float(r.get(figure, math.inf)) if figure else math.inf for _, r in frame.iterrows()}
-        said_latency = claim([p.name for p in rec.qualified], latency.retimed, latency.alpha, latency.tie_break, rank)
-        name = said_latency.pick if said_latency is not None else name
-    row = frame.loc[next(i for i, p in pts.items() if p.name == name)]
+        rec, _ = report.with_latency(rec, latency, rank)
+    row = frame.loc[next(i for i, p in pts.items() if p.name == rec.point.name)]
     row.attrs = dict(frame.attrs)  # where it came from, for export()
     return row
 

@@ -557,7 +557,10 @@ class RunConfig:
     probe: ProbeConfig = MISSING
     tracking: TrackingConfig = MISSING
     decision: DecisionConfig = field(default_factory=DecisionConfig)
-    seed: int = field(default=0, metadata={"min": 0})
+    seed: int = field(default=0, metadata={"min": 0})  # calibration draws, random weights, request arrivals
+    # the evaluation draws (perplexity and fidelity windows, lm-eval documents, passkey keys): None in a sweep is
+    # a seed drawn for the sweep (quantlab.sweep), kept when an unfinished sweep is run again; None alone is seed
+    eval_seed: Optional[int] = field(default=None, metadata={"min": 0})
     cache_dir: str = "~/.cache/quantlab"
     data_dir: Optional[str] = None
     sweep_name: str = "adhoc"
@@ -565,6 +568,12 @@ class RunConfig:
     force: bool = False  # re-run points that already have a finished run
     isolation: str = field(default="none", metadata={"choices": ("none", "process")})  # process: a fresh
     # process per point
+
+    @property
+    def draws_seed(self) -> int:
+        """The seed of the evaluation draws: ``eval_seed`` where set (pinned,
+        or drawn for the sweep), else ``seed``."""
+        return self.seed if self.eval_seed is None else self.eval_seed
 
     def check(self, path: str) -> None:
         """Across nodes, after each node's own ranges (a context below its

@@ -92,6 +92,17 @@ def windows_in_articles(tokenizer, raw: str, window: int, n: int, seed: int) -> 
         [i for i, _ in drawn]
 
 
+def articles_of_consecutive(tokenizer, raw: str, window: int, n: int) -> list[int]:
+    """The article (index in :func:`articles`) each of the first ``n``
+    consecutive ``window``-token windows of ``raw`` tokenized whole begins in:
+    the cluster of a whole-split window. Article boundaries in the whole
+    text's tokens are placed by each article's own token count (a boundary
+    can fall a token or two off where the whole text's tokens cross it)."""
+    counts = [len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in articles(raw)]
+    starts = np.cumsum([0, *counts[:-1]])
+    return [int(np.searchsorted(starts, k * window, side="right")) - 1 for k in range(n)]
+
+
 def paragraph_ids(tokenizer, corpus: str, data_dir: str | None, max_tokens: int, min_tokens: int,
                   n: int) -> list[torch.Tensor]:
     """Up to ``n`` paragraphs of the corpus, in order, as ``[P]`` id tensors at

@@ -22,6 +22,9 @@ PARENT_TAG = "mlflow.parentRunId"
 # a sweep's parent run id, set by the sweep callback for the points it launches (local workers
 # inherit it; Ray tasks get it in their runtime_env); the CLI hands it to run_point
 PARENT_ENV = "QUANTLAB_PARENT_RUN_ID"
+# the seed of a sweep's evaluation draws, set by the sweep callback where eval_seed is not pinned; the run
+# config reads it (conf/config.yaml)
+EVAL_SEED_ENV = "QUANTLAB_EVAL_SEED"
 
 
 def parent_run() -> str | None:
@@ -37,7 +40,9 @@ REUSED_FROM_TAG = "quantlab.reused_from"  # on a light child run: the run that m
 HOST_TAG, PID_TAG, PID_START_TAG = "quantlab.host", "quantlab.pid", "quantlab.pid_start"
 CREATE_KEY_TAG = "quantlab.create_key"  # one per Tracker.start call: finds the twin a retried create made
 BASELINE_TAG = "recovery.baseline"  # on the parent: the run name the sweep compared against
-RECOMMENDED_BY_TAG = "recommended.by"  # on the parent: the objective of the budget picks
+RECOMMENDED_BY_TAG = "recommended.by"
+# on the parent: the seed of the sweep's evaluation draws, and where it came from (drawn | pinned | resumed <run>)
+EVAL_SEED_TAG, EVAL_SEED_FROM_TAG = "quantlab.eval_seed", "quantlab.eval_seed_from"  # on the parent: the objective of the budget picks
 # on the parent, written at launch: the decision declared before any point ran (decision.metric/budgets/alpha)
 DECLARED_TAGS = {k: f"declared.{k}" for k in ("metric", "budgets", "alpha", "latency_share", "retime_rounds",
                                                "retime_points", "tie_break")}
@@ -129,8 +134,10 @@ def identify(cfg: Any, as_dict: dict[str, Any], code: str, data: str) -> Identit
     """The identity of point ``cfg`` (a ``RunConfig``) whose plain-dict form is
     ``as_dict`` (``compose.config_dict``), for code version ``code`` and data
     fingerprint ``data``. The hash covers model (not its display name), scheme,
-    target, probe and seed: not where the point is logged or cached."""
+    target, probe, seed and the evaluation draws' seed (``cfg.draws_seed``):
+    not where the point is logged or cached."""
     semantic = {k: as_dict[k] for k in ("model", "scheme", "target", "probe", "seed")}
+    semantic["eval_seed"] = cfg.draws_seed
     semantic["model"] = {k: v for k, v in semantic["model"].items() if k != "name"}
     semantic["code"], semantic["data"] = code, data
     digest = hashlib.sha256(json.dumps(semantic, sort_keys=True).encode()).hexdigest()[:16]

@@ -232,6 +232,22 @@ def auto_metric(runs, choice: str = "auto", base=None, items: dict | None = None
                       f"point can qualify on it")
 
 
+def information_only(runs, metric: str, base, items: dict | None, budgets, alpha: float) -> str:
+    """One sentence naming the measured metrics other than ``metric`` (the
+    ones :func:`auto_metric` weighs) whose design cannot decide any of
+    ``budgets`` (:func:`best_case` above the largest), so that reading them as
+    a verdict is ruled out in the report itself; '' when there are none."""
+    if base is None or not budgets:
+        return ""
+    keys = sorted({k for r in runs for k in r.data.metrics if not decision.auxiliary(k)} - {metric})
+    weak = [(k, b) for k in keys if k.startswith(("ppl_token_wikitext2_w", "acc_norm/", "acc/", "fid/top1_agree"))
+            and (b := best_case(k, base, items, alpha)) > max(budgets)]
+    if not weak:
+        return ""
+    return (f" Information only here, since a point identical to the baseline on every item would still be bounded "
+            f"above the largest budget {max(budgets):g}: " + ", ".join(f"{k} ({'no bound' if math.isinf(b) else f'at {b:.3g}'})" for k, b in weak) + ".")
+
+
 def best_case(metric: str, base, items: dict | None, alpha: float) -> float:
     """The bound at ``alpha`` of a point identical to the baseline ``base``
     on every item of ``metric`` (its loss exactly 0 as measured): the least
@@ -354,6 +370,23 @@ class LatencyHalf:
     why: str = "decision.retime_rounds=0"
 
 
+def with_latency(rec: Recommendation, latency: LatencyHalf,
+                 figures: dict[str, float]) -> tuple[Recommendation, retime.Claim | None]:
+    """The loss half's pick ``rec`` after the latency half: the re-timing's
+    claim over its qualified points (:func:`quantlab.retime.claim`, ``figures``
+    the tie-break's value by point name) and its pick put in with the margin
+    at that point's own level; ``(rec, None)`` where nothing was re-timed or
+    nothing qualified. The report and :func:`quantlab.api.fastest_within` both pick through it."""
+    if latency.retimed is None or rec.point is None:
+        return rec, None
+    said = retime.claim([p.name for p in rec.qualified], latency.retimed, latency.alpha, latency.tie_break, figures)
+    if said is not None and said.pick != rec.point.name:
+        chosen = next(p for p in rec.qualified if p.name == said.pick)
+        rec = dataclasses.replace(rec, point=chosen, margin=rec.budget - chosen.bound_at(rec.levels[chosen.name]),
+                                  level=rec.levels[chosen.name])
+    return rec, said
+
+
 def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | None = None, by: str = "tpot",
            alpha: float = uncertainty.ALPHA, post_hoc: dict[float, str] | None = None,
            latency: LatencyHalf = LatencyHalf()) -> tuple[str, dict[float, Recommendation]]:
@@ -408,12 +441,7 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
     for b in budgets:
         rec = fastest_within(ranked, b, alpha=alpha, budgets=budgets)
         what = (f"KL <= {b:g}" if kl else f"{b:.0%} loss") + (f" (post hoc: {post_hoc[b]})" if b in post_hoc else "")
-        said = retime.claim([p.name for p in rec.qualified], latency.retimed, latency.alpha, latency.tie_break,
-                            sizes) if retimed and rec.point is not None else None
-        if said is not None and said.pick != rec.point.name:
-            chosen = next(p for p in rec.qualified if p.name == said.pick)
-            rec = dataclasses.replace(rec, point=chosen, margin=b - chosen.bound_at(rec.levels[chosen.name]),
-                                      level=rec.levels[chosen.name])
+        rec, said = with_latency(rec, latency if retimed else LatencyHalf(), sizes)
         recs[b] = rec
         if rec.point is None and not ranked and mem:
             lines.append(f"- Within {what}: nothing to rank: no point measured {key} (its probe was off), so "
@@ -453,6 +481,17 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
 
 # the tie-break's figure of a point, lower wins (decision.tie_break)
 TIE_BREAKS = {"size": "size/weight_mb", "bits": "size/bits_per_weight"}
+
+
+def _draws_text(tags: dict[str, str]) -> str:
+    """Where the sweep's evaluation draws (windows, documents, keys) came
+    from, and how to repeat them: '' for a sweep from before the seed was recorded."""
+    if (seed := tags.get(point.EVAL_SEED_TAG)) is None:
+        return ""
+    source = tags.get(point.EVAL_SEED_FROM_TAG, "pinned")
+    how = {"pinned": "pinned", "drawn": "drawn for this sweep, so another sweep is an independent look"}.get(
+        source, f"kept from the unfinished sweep {source.removeprefix('resumed ')}")
+    return f" Evaluation draws (windows, documents, keys): seed {seed}, {how}; eval_seed={seed} repeats them."
 
 
 def _undecided_line(p: Point, b: float, what: str, sign: float, unit: str, rec: Recommendation, n: int) -> str:
@@ -665,7 +704,8 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
                       f"point is picked by loss and none is plotted against one."), {}
     text = (f"Declared at launch: {_declaration_text(said)}." if said else
             "Declared at launch: nothing (a sweep from before declarations: every pick is post hoc).") + \
-        (f" The metric: {passed_over}." if passed_over else "") + "\n\n" + text
+        (f" The metric: {passed_over}." if passed_over else "") + \
+        information_only(runs, metric, base, items, budgets, split[0]) + _draws_text(tags) + "\n\n" + text
     sweep = tags.get(point.SWEEP_TAG, "?")
     paired_text = paired_table(runs, base, items) if base is not None else ""
     times = time_table(runs, {r.info.run_id for r in reused})

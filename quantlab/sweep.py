@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import subprocess
 import sys
 import time
@@ -44,23 +45,31 @@ class SweepCallback(Callback):
             if config.hydra.sweeper.get("params") else {}
         params["sweep.overrides"] = " ".join(config.hydra.overrides.task) or "-"
         name = f"sweep:{sweep} {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        tags = {point.SWEEP_TAG: sweep, point.ROLE_TAG: point.ROLE_SWEEP,
+        seed, source = _eval_seed(tracker, config, sweep, params["sweep.overrides"])
+        tags = {point.SWEEP_TAG: sweep, point.ROLE_TAG: point.ROLE_SWEEP, point.EVAL_SEED_TAG: str(seed),
+                point.EVAL_SEED_FROM_TAG: source,
                 "git_commit": tracking.git_commit(), **tracking.versions(), **_declared(config)}
         run = tracker.start(name, tags, params=params)
         parent = run.id
         os.environ[point.PARENT_ENV] = parent
+        exported = {point.PARENT_ENV: parent}
+        if source != "pinned":  # the points read it (conf/config.yaml); taken out again at the sweep's end
+            os.environ[point.EVAL_SEED_ENV] = exported[point.EVAL_SEED_ENV] = _set_here[parent] = str(seed)
         if config.hydra.launcher.get("_target_", "") == RAY_LAUNCHER:  # workers on other nodes inherit nothing
             with open_dict(config):
                 init = config.hydra.launcher.ray.init
                 given = init.get("runtime_env")
                 env = OmegaConf.to_container(given, resolve=True) if given is not None else {}
-                env.setdefault("env_vars", {})[point.PARENT_ENV] = parent
+                env.setdefault("env_vars", {}).update(exported)
                 init.runtime_env = env
         _log_capabilities(run)
-        log.info("sweep %s: parent run %s in %s", sweep, parent, config.tracking.uri)
+        log.info("sweep %s: parent run %s in %s; evaluation draws: seed %d (%s)", sweep, parent,
+                 config.tracking.uri, seed, source)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         parent = os.environ.pop(point.PARENT_ENV, None)
+        if _set_here.pop(parent, None) is not None:
+            os.environ.pop(point.EVAL_SEED_ENV, None)
         if parent is None:
             return
         tracker = tracking.connect(_tracking_cfg(config), tracking.SERVER_WAIT_S)
@@ -79,6 +88,27 @@ class SweepCallback(Callback):
         log.info("sweep done: %s", ", ".join(f"{v} {k}" for k, v in counts.items()))
         if failed:
             sys.exit(1)
+
+
+_set_here: dict[str, str] = {}  # parent run -> the eval seed this process put in the environment for it
+
+
+def _eval_seed(tracker: tracking.Tracker, config: DictConfig, sweep: str, overrides: str) -> tuple[int, str]:
+    """``(seed, where it came from)`` of the sweep's evaluation draws:
+    ``eval_seed`` as given (``pinned``: on the command line, in the sweep's
+    preset or in $QUANTLAB_EVAL_SEED); else the seed of this sweep's newest
+    parent when that one did not finish (killed, or a point failed) and ran
+    the same overrides (``resumed <run id>``): its finished points are reused
+    with their windows; else a fresh one (``drawn``), so that two sweeps are
+    two independent looks at the evaluation data."""
+    given = config.get("eval_seed")
+    if given is not None:
+        return int(given), "pinned"
+    last = tracker.last_sweep(sweep)
+    if last is not None and last.info.status != "FINISHED" and point.EVAL_SEED_TAG in last.data.tags \
+            and last.data.params.get("sweep.overrides") == overrides:
+        return int(last.data.tags[point.EVAL_SEED_TAG]), f"resumed {last.info.run_id}"
+    return random.SystemRandom().randrange(2 ** 31), "drawn"
 
 
 def _declared(config: DictConfig) -> dict[str, str]:

@@ -319,6 +319,13 @@ class Tracker:
         return [(r.info.run_id, dict(r.data.tags)) for r in runs]
 
     @retry
+    def last_sweep(self, sweep: str):
+        """The newest parent run of the sweep named ``sweep`` (MLflow's ``Run``), or None."""
+        runs = self._search(f"tags.`{ROLE_TAG}` = '{ROLE_SWEEP}' AND tags.`{SWEEP_TAG}` = '{sweep}'",
+                            newest_first=True, max_results=1)
+        return runs[0] if runs else None
+
+    @retry
     def top_level(self) -> list[tuple[str, dict[str, str]]]:
         """The runs under no parent and their tags, newest first: every sweep
         parent, and the points run alone among the newest 1,000 runs."""

@@ -241,7 +241,8 @@ def test_recovery_is_not_relogged_onto_a_reused_run(tmp_path):
     uri = f"sqlite:///{tmp_path}/m.db"
     common = ["model=tiny", "probe.perplexity.enabled=true", "probe.perplexity.window=64",
               "probe.perplexity.max_windows=2", "probe.latency.repeats=1", "probe.latency.new_tokens=2",
-              f"data_dir={SHARED_DATA}", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a"]
+              f"data_dir={SHARED_DATA}", f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a",
+              "eval_seed=0"]  # the second sweep repeats the first's draws: its points can be reused
     assert run_cli(["-m", "scheme/weights=fp32,bf16", *common]).returncode == 0
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name("quantlab").experiment_id

@@ -108,8 +108,9 @@ def test_fidelity_standard_errors_are_over_window_means():
 class _Chars:
     """A tokenizer of one id per character (what matters here: lengths and positions)."""
 
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        ids = [ord(c) for c in text]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
 
 
 ARTICLES = "".join(f" = Title {i} = \n\n" + f" = = Part = = \n\n{chr(65 + i) * (40 + 17 * i)}\n\n" for i in range(6))
@@ -158,6 +159,19 @@ def test_random_windows_know_their_articles():
     pieces = corpus.articles(ARTICLES)
     assert len(arts) == 5 and all(bytes(w.tolist()).decode() in pieces[a] for w, a in zip(wins, arts))
     assert torch.equal(corpus.random_windows(_Chars(), ARTICLES, 8, 5, 3)[0], wins)
+
+
+@given(window=st.integers(4, 60))
+@settings(max_examples=30, deadline=None)
+def test_whole_split_windows_know_the_article_they_begin_in(window):
+    """probe=full scores every window in text order; each is clustered by
+    the article its first token is in (character tokens: exact here)."""
+    wins, name, arts = perplexity.sample(_Chars(), ARTICLES, window, None, 0)
+    assert name == f"ppl_token_wikitext2_w{window}" and len(arts) == len(wins) == len(ARTICLES) // window
+    pieces = corpus.articles(ARTICLES)
+    begins = [ARTICLES.index(p) for p in pieces]
+    assert arts == [max(i for i, b in enumerate(begins) if b <= k * window) for k in range(len(wins))]
+    assert arts == sorted(arts) and arts[0] == 0
 
 
 def test_a_perplexity_claim_covers_articles_like_these_not_these_windows():

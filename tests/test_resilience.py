@@ -34,6 +34,7 @@ SWEEP = ["-m", "model=tiny", "scheme/weights=fp32,bf16,int8"]
 
 def test_rerun_reuses_finished_points_and_force_reruns(tmp_path):
     uri, store = _store(tmp_path)
+    store.append("eval_seed=0")  # a finished sweep repeated with its draws pinned: its points are reused
     assert run_cli([*SWEEP, *store]).returncode == 0
     second = run_cli([*SWEEP, *store])
     assert second.returncode == 0
@@ -84,6 +85,12 @@ def test_kill_9_then_rerun_gives_exactly_n_finished(tmp_path):
     assert len({r.data.tags[tracking.HASH_TAG] for r in finished}) == n  # no duplicates
     killed = _runs(uri, "KILLED")
     assert len(killed) == 1 and killed[0].data.tags[tracking.OUTCOME_TAG] == "killed"
+    # the rerun kept the killed sweep's evaluation draws (unpinned): that is why its points could be reused
+    client = MlflowClient(tracking_uri=uri)
+    new, old = client.search_runs([client.get_experiment_by_name("quantlab").experiment_id],
+                                  "tags.`quantlab.role` = 'sweep'", order_by=["attributes.start_time DESC"])
+    assert new.data.tags["quantlab.eval_seed_from"] == f"resumed {old.info.run_id}"
+    assert new.data.tags["quantlab.eval_seed"] == old.data.tags["quantlab.eval_seed"]
 
 
 def test_failing_point_is_isolated_and_sets_exit_status(tmp_path):
@@ -184,6 +191,7 @@ def test_timings_are_never_reused_from_another_host(tmp_path):
     server): points that time are re-measured; the summary names where a
     reused point came from."""
     uri, store = _store(tmp_path)
+    store.append("eval_seed=0")
     sweep = ["-m", "model=tiny", "scheme/weights=fp32,bf16", "probe.latency.repeats=1", "probe.latency.new_tokens=4",
              "probe.cache.enabled=false"]
     assert run_cli([*sweep, *store]).returncode == 0

@@ -165,6 +165,41 @@ def test_recommended_point_tagged(smoke_sweep):
     # the decision declared at launch, recorded before any point ran; the sweep's own picks are not post hoc
     assert (tags["declared.metric"], tags["declared.budgets"], tags["declared.alpha"]) == ("auto", "0.01,0.05", "0.05")
     assert tags["recommended.0.05.post_hoc"] == "no"
+    # the evaluation draws' seed, drawn for this sweep and the one every point drew its windows with
+    assert tags["quantlab.eval_seed_from"] == "drawn"
+    assert {client.get_run(r.info.run_id).data.params["eval_seed"] for r in runs if r.info.run_id !=
+            parent.info.run_id} == {tags["quantlab.eval_seed"]}
+
+
+def test_each_sweep_draws_its_own_evaluation_seed_unless_pinned_or_resumed():
+    """Failing-before for "every sweep decides on the same 64 windows": an
+    unpinned sweep draws a fresh seed, so two sweeps are two looks; a sweep
+    run again after it did not finish (same overrides) keeps its seed, so its
+    finished points are reused with their windows; a pinned one is kept."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from quantlab import sweep
+
+    def last(status, seed="7", overrides="a=1"):
+        return SimpleNamespace(info=SimpleNamespace(status=status, run_id="r1"),
+                               data=SimpleNamespace(tags={"quantlab.eval_seed": seed}, params={"sweep.overrides": overrides}))
+
+    class Store:
+        def __init__(self, run):
+            self.run = run
+
+        def last_sweep(self, name):
+            return self.run
+
+    unpinned, pinned = OmegaConf.create({"eval_seed": None}), OmegaConf.create({"eval_seed": 3})
+    assert sweep._eval_seed(Store(last("FINISHED")), pinned, "s", "a=1") == (3, "pinned")
+    assert sweep._eval_seed(Store(last("KILLED")), unpinned, "s", "a=1") == (7, "resumed r1")
+    assert sweep._eval_seed(Store(last("FAILED")), unpinned, "s", "a=1") == (7, "resumed r1")
+    for store in (Store(None), Store(last("FINISHED")), Store(last("KILLED", overrides="a=2"))):
+        seeds = {sweep._eval_seed(store, unpinned, "s", "a=1") for _ in range(3)}
+        assert len(seeds) == 3 and {src for _, src in seeds} == {"drawn"}
 
 
 def test_a_decision_declared_after_its_points_were_measured_is_post_hoc(smoke_sweep):
@@ -172,9 +207,10 @@ def test_a_decision_declared_after_its_points_were_measured_is_post_hoc(smoke_sw
     second sweep that reuses the smoke sweep's points and declares another
     budget says, beside every pick, that it was declared after they were
     measured, and its parent's post hoc tags say so (export reads them)."""
-    _, client, _ = smoke_sweep
+    _, client, runs = smoke_sweep
     uri = client.tracking_uri
-    proc = run_cli(["+sweep=smoke", "model=tiny", "sweep_name=redeclared", "decision.budgets=[0.02]",
+    seed = next(r for r in runs if r.data.tags.get("quantlab.role") == "sweep").data.tags["quantlab.eval_seed"]
+    proc = run_cli(["+sweep=smoke", "model=tiny", "sweep_name=redeclared", "decision.budgets=[0.02]", f"eval_seed={seed}",
                     f"tracking.uri={uri}", f"tracking.artifact_root={uri.removeprefix('sqlite:///')[:-10]}/art"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "3 reused" in proc.stderr + proc.stdout

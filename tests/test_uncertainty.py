@@ -392,6 +392,21 @@ def test_a_loss_without_a_bound_never_meets_a_budget_whoever_asks():
     assert not lo.bounded and lo.bound.p_value(0.9) == 1.0
 
 
+def test_the_report_says_which_measured_metrics_are_information_only():
+    """Failing-before for "accuracy at 50 documents can never qualify
+    anything": the headline's 50 lm-eval documents bound a point identical
+    to the baseline at about 0.14 (Tango at 2.5 %, accuracy 0.5), above every budget, so
+    the report names them information only beside the metric it decides on;
+    a design that can decide is not named."""
+    items = {"bf16": {"acc/t": [1.0, 0.0] * 25, "doc_ids/t": list(range(50)),
+                      "acc/big": [1.0, 0.0] * 2000, "doc_ids/big": list(range(4000))}}
+    runs = [_run("bf16", 16, {"acc/t": 0.5, "acc/big": 0.5})]
+    text = report.information_only(runs, "acc/big", runs[0], items, (0.01, 0.05), 0.025)
+    best = report.best_case("acc/t", runs[0], items, 0.025)
+    assert 0.05 < best < 0.2 and text.startswith(" Information only here") and f"acc/t (at {best:.3g})" in text
+    assert "acc/big" not in text and report.information_only(runs, "acc/t", runs[0], items, (0.2,), 0.025) == ""
+
+
 def test_auto_passes_over_a_metric_whose_design_cannot_decide_any_budget():
     """Failing-before for "decision.metric=auto picks acc/passkey" on the
     long_context sweep: 12 passkey trials in 6 cells cannot bound any loss

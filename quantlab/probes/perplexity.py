@@ -6,8 +6,8 @@ rows joined with "\\n\\n", tokenized once, cut into ``window``-token windows
 with no context from the previous one: ``ppl_token_wikitext2_w<window>``. A
 sample of it is ``n`` windows drawn at random, seeded, among the windows
 inside each article (:func:`quantlab.corpus.random_windows`):
-``ppl_token_wikitext2_w<window>_rand<n>``, a different, noisier number whose
-unit of sampling is the window. Neither is comparable to lm-eval's
+``ppl_token_wikitext2_w<window>_rand<n>``, a different, noisier number. Either
+design records each window's article, the unit a bound resamples. Neither is comparable to lm-eval's
 word-level ``word_perplexity/wikitext2_local``. The per-token NLLs are kept
 (window by window, in draw order) so that two points can be compared paired.
 """
@@ -52,12 +52,16 @@ def sample(tokenizer, raw: str, window: int, max_windows: int | None,
            seed: int) -> tuple[torch.Tensor, str, list[int] | None]:
     """``(windows [n, window], metric name, each window's article)``: every
     window of the split in text order (``max_windows`` None, GPTQ's design;
-    no articles), else ``max_windows`` drawn at random within articles
-    (:func:`quantlab.corpus.windows_in_articles`)."""
+    each window's article is the one it begins in,
+    :func:`quantlab.corpus.articles_of_consecutive`), else ``max_windows``
+    drawn at random within articles (:func:`quantlab.corpus.windows_in_articles`).
+    Either way a bound resamples articles: the claim covers articles like
+    the split's, not its windows alone."""
     if max_windows is None:
         ids = tokenizer(raw, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
         wins, _ = windows(ids, window, None)
-        return wins, metric_name(window, len(wins), len(wins)), None
+        return wins, metric_name(window, len(wins), len(wins)), corpus.articles_of_consecutive(
+            tokenizer, raw, window, len(wins))
     wins, _, articles = corpus.windows_in_articles(tokenizer, raw, window, max_windows, seed)
     return wins, metric_name(window, len(wins), None), articles
 

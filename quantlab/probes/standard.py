@@ -38,7 +38,7 @@ class FidelityProbe:
         cfg, fid, out = ctx.cfg, ctx.cfg.probe.fidelity, ProbeResult()
         out.tags["probe.fidelity.corpus"] = corpus.resolve(fid.corpus, cfg.data_dir)
         ids, _ = corpus.random_windows(ctx.tokenizer, corpus.text(fid.corpus, cfg.data_dir),
-                                       fid.tokens // fid.windows, fid.windows, cfg.seed)
+                                       fid.tokens // fid.windows, fid.windows, cfg.draws_seed)
         with out.timed("reference"):
             ref = fidelity.reference(ctx.reference_key(), ids, cfg.cache_dir, ctx.reference_engine)
         ctx.log("fidelity probe (%d windows of %d tokens)", *ids.shape)
@@ -75,7 +75,7 @@ class PerplexityProbe:
     def run(self, ctx: ProbeContext) -> ProbeResult:
         cfg, ppl, out = ctx.cfg, ctx.cfg.probe.perplexity, ProbeResult()
         wins, metric, articles = perplexity.sample(ctx.tokenizer, perplexity.wikitext2_text(cfg.data_dir), ppl.window,
-                                                   ppl.max_windows, cfg.seed)  # the cap's name, however many scored
+                                                   ppl.max_windows, cfg.draws_seed)  # the cap's name, however many scored
         ctx.log("perplexity probe (%d windows of %d tokens, %s%s)", len(wins), ppl.window,
                 "the whole split" if ppl.max_windows is None else "drawn at random", ", adaptive" if ppl.adaptive else "")
         nll = self._adaptive(ctx, wins, metric, out) if ppl.adaptive else perplexity.token_nll(ctx.engine, wins)
@@ -162,14 +162,14 @@ class AccuracyProbe:
         ctx.log("lm-eval %s (limit %s%s)", ",".join(acc.tasks), acc.limit, ", adaptive" if acc.adaptive else "")
         if acc.adaptive:
             metrics, results, items, stops = accuracy_adaptive.run(
-                ctx.engine, ctx.tokenizer, acc, cfg.data_dir, cfg.cache_dir, cfg.seed, ctx.reference_key(),
+                ctx.engine, ctx.tokenizer, acc, cfg.data_dir, cfg.cache_dir, cfg.draws_seed, ctx.reference_key(),
                 ctx.engine_for_reference, ctx.baseline_candidate(), ctx.identical_to_reference(),
                 lambda line: ctx.log("lm-eval: %s", line))
             out.tags[point.ACC_STOP_TAG] = "; ".join(f"{t}: {why}" for t, why in stops.items())
             ctx.log("lm-eval: %s", out.tags[point.ACC_STOP_TAG])
         else:
             metrics, results, items = accuracy.evaluate(ctx.engine, ctx.tokenizer, acc, cfg.data_dir, cfg.cache_dir,
-                                                        cfg.seed)
+                                                        cfg.draws_seed)
         out.metrics.update(metrics)
         out.items.update(items)
         out.artifacts["lm_eval_results.json"] = json.dumps(results, indent=2, default=str)
@@ -214,7 +214,7 @@ class KVPositionProbe:
             return out
         out.tags["probe.kv_position.corpus"] = corpus.resolve(c.corpus, cfg.data_dir)
         wins, _ = corpus.random_windows(ctx.tokenizer, corpus.text(c.corpus, cfg.data_dir), c.length, c.windows,
-                                        cfg.seed)
+                                        cfg.draws_seed)
         ctx.log("KV error by position (%d windows of %d tokens, chunk %d)", c.windows, c.length, c.chunk)
         metrics, items, over = kv_position.probe(ctx.engine, wins, c.chunk, c.buckets, c.tolerance)
         out.metrics.update(metrics)
@@ -234,7 +234,7 @@ class PasskeyProbe:
 
     def run(self, ctx: ProbeContext) -> ProbeResult:
         c, out = ctx.cfg.probe.passkey, ProbeResult()
-        cells = passkey.trials(ctx.tokenizer, c.lengths, c.depths, c.trials, c.digits, ctx.cfg.seed)
+        cells = passkey.trials(ctx.tokenizer, c.lengths, c.depths, c.trials, c.digits, ctx.cfg.draws_seed)
         ctx.log("passkey (%d lengths x %d depths x %d keys of %d digits, chunk %d)", len(c.lengths),
                 len(c.depths), c.trials, c.digits, c.chunk)
         metrics, items, table = passkey.probe(ctx.engine, cells, c.chunk, ctx.log)
