@@ -187,7 +187,8 @@ def test_an_artifact_beside_its_original_in_one_sweep(ct, store):
     assert m["fid/kl_mean"] > 1e-5
     name = "ppl_token_wikitext2_w128_rand16"
     tok = models.load(_hf(ct["w4a16-g32"]), "~")[1]
-    wins, _, _ = perplexity.sample(tok, perplexity.wikitext2_text(str(SHARED_DATA)), 128, 16, 0)
+    seed = int(done.data.params["eval_seed"])  # the sweep's own draw, as every point's windows
+    wins, _, _ = perplexity.sample(tok, perplexity.wikitext2_text(str(SHARED_DATA)), 128, 16, seed)
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(ct["w4a16-g32"], dtype=torch.float32).eval()
