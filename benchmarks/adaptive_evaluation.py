@@ -60,10 +60,10 @@ def summary(tracker: tracking.Tracker, name: str, tasks: list[str]):
     per point the windows and documents (per task) it scored and why it stopped."""
     runs, reused = tracker.sweep_runs(tracker.find_sweep(name))
     runs += reused
-    base = report.baseline_run(runs)
+    base = report.table.baseline_run(runs)
     items = {r.info.run_id: tracker.items(tracking.origin(r)) for r in runs if tracking.done(r)}
-    metric = report.decision_metric(runs)
-    pts = {m: report.points(runs, m, "lat/tpot_ms_p50", base, items)
+    metric = report.metric.decision_metric(runs)
+    pts = {m: report.metric.points(runs, m, "lat/tpot_ms_p50", base, items)
            for m in [metric, *(f"acc_norm/{t}" for t in tasks)]}
     scored = {r.info.run_name: (int(r.data.metrics.get(f"{metric}_windows", 0)),
                                 {t: len(items.get(r.info.run_id, {}).get(f"acc/{t}", [])) for t in tasks},
@@ -122,7 +122,7 @@ def main() -> None:
                   f"{(tot_a + ref) / tot_f:.2f} of the fixed design ({tot_a / tot_f:.2f} without it)")
     print(f"sweep wall time: fixed {secs['fixed'] / 60:.1f} min, adaptive {secs['adaptive'] / 60:.1f} min")
     for metric in res["fixed"][1]:
-        for b in report.DEFAULT_BUDGETS:
+        for b in report.verdict.DEFAULT_BUDGETS:
             qf, qa = qualified(res["fixed"][1][metric], b), qualified(res["adaptive"][1].get(metric, []), b)
             print(f"{metric} within {b:.0%}: fixed qualifies {', '.join(qf) or 'none'}; adaptive "
                   f"{', '.join(qa) or 'none'}" + ("  (same)" if qf == qa else "  (DIFFERENT)"))

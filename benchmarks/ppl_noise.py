@@ -62,7 +62,7 @@ def main() -> int:
     args = ap.parse_args()
     tracker = tracking.connect(TrackingConfig(uri=f"sqlite:///{args.store}/mlflow.db", artifact_root=None))
     runs, reused, _, base, items = report.sweep_data(tracker, tracker.find_sweep(args.sweep))
-    metric = report.decision_metric(runs)
+    metric = report.metric.decision_metric(runs)
     windows = int(base.data.metrics[f"{metric}_windows"])
     ref = np.asarray(items[base.info.run_id][metric]).reshape(windows, -1)
     print(f"sweep {args.sweep}: {metric}, {windows} windows of {ref.shape[1] + 1} tokens, baseline "

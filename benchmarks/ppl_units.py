@@ -30,8 +30,8 @@ def main() -> None:
     tracker = tracking.connect(TrackingConfig(uri=uri, artifact_root=f"{args.store}/artifacts"))
     runs, reused = tracker.sweep_runs(tracker.find_sweep(args.sweep))
     runs = [r for r in runs + reused if tracking.done(r)]
-    base = report.baseline_run(runs)
-    metric = report.decision_metric(runs)
+    base = report.table.baseline_run(runs)
+    metric = report.metric.decision_metric(runs)
     if not metric.startswith("ppl_token_"):
         raise SystemExit(f"sweep {args.sweep} has no token perplexity (decision metric {metric})")
     windows = int(base.data.metrics[f"{metric}_windows"])

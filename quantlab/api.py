@@ -70,15 +70,15 @@ def results(sweep: str = "latest", *, tracking_uri: str | None = None, experimen
     tracker = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
     parent = tracker.find_sweep(sweep)
     runs, reused, tags, base, items = report.sweep_data(tracker, parent)
-    said = report.declared(tags)
-    budgets = tuple(said.budgets) if said else report.DEFAULT_BUDGETS
-    latency = report.latency_half(tracker, parent, tags, said, said.halves()[1] if said else 0.0)
-    metric = report.decision_metric(runs, metric or (said.metric if said else "auto"), base, items, budgets,
+    said = report.verdict.declared(tags)
+    budgets = tuple(said.budgets) if said else report.verdict.DEFAULT_BUDGETS
+    latency = report.verdict.latency_half(tracker, parent, tags, said, said.halves()[1] if said else 0.0)
+    metric = report.metric.decision_metric(runs, metric or (said.metric if said else "auto"), base, items, budgets,
                                     said.halves()[0] if said else ALPHA)
     rows = []
     for r in runs:
         is_base = base is not None and r.info.run_id == base.info.run_id
-        lo = report.run_loss(r, metric, base, items)
+        lo = report.metric.run_loss(r, metric, base, items)
         bounded = lo is not None and lo.bounded
         rows.append({
             "point": r.info.run_name, "run_id": r.info.run_id, "measured_by": tracking.origin(r),
@@ -130,9 +130,9 @@ def fastest_within(frame: pandas.DataFrame, budget: float, *, alpha: float | Non
     if rec.point is None:
         return None
     if retimed:
-        figure = report.TIE_BREAKS.get(latency.tie_break)
+        figure = report.verdict.TIE_BREAKS.get(latency.tie_break)
         rank = {r["point"]: float(r.get(figure, math.inf)) if figure else math.inf for _, r in frame.iterrows()}
-        rec, _ = report.with_latency(rec, latency, rank)
+        rec, _ = report.verdict.with_latency(rec, latency, rank)
     row = frame.loc[next(i for i, p in pts.items() if p.name == rec.point.name)]
     row.attrs = dict(frame.attrs)  # where it came from, for export()
     return row

@@ -4,7 +4,7 @@ by their sweep's estimate and at most ``decision.retime_points``, rebuilt
 from their runs' configs and timed side by side in interleaved rounds on
 this host, now. The result goes onto the sweep's parent run as
 ``retime.json``; where nothing is re-timed, the parent's tag
-:data:`quantlab.report.SKIPPED_TAG` says why, and the report says the latency half is the
+:data:`quantlab.report.verdict.SKIPPED_TAG` says why, and the report says the latency half is the
 point estimate only.
 
 Each candidate is rebuilt through the point's own pipeline
@@ -28,7 +28,7 @@ from quantlab.export import state as quantized_state
 from quantlab.export.run import run_config
 from quantlab.measurement import Measurement
 from quantlab.probes import latency
-from quantlab.report import SKIPPED_TAG
+from quantlab.report.verdict import SKIPPED_TAG
 from quantlab.retime import ARTIFACT, Retimed
 
 log = logging.getLogger("quantlab")
@@ -44,17 +44,17 @@ def candidates(recs: dict, cap: int) -> list[str]:
 
 def after_sweep(tracker: tracking.Tracker, parent_id: str) -> Retimed | None:
     """Re-time the sweep's candidates as its declared decision says and log
-    the result on the parent run (or why not, as :data:`~quantlab.report.SKIPPED_TAG`)."""
+    the result on the parent run (or why not, as :data:`~quantlab.report.verdict.SKIPPED_TAG`)."""
     runs, _reused, tags, base, items = report.sweep_data(tracker, parent_id)
-    decision = report.declared(tags)
+    decision = report.verdict.declared(tags)
     parent = tracker.run(parent_id)
     if decision is None or not decision.retime_rounds:
         return None
-    recs = report.loss_half(runs, base, items, decision)
+    recs = report.verdict.loss_half(runs, base, items, decision)
     names = candidates(recs, decision.retime_points)
     by_name = {r.info.run_name: r for r in runs}
     why = "the pick is by capacity under load (a serving sweep), which is not re-timed" \
-        if report.objective(runs) == "capacity" else _cannot(names, by_name)
+        if report.verdict.objective(runs) == "capacity" else _cannot(names, by_name)
     if why:
         parent.set_tags({SKIPPED_TAG: why})
         log.info("re-timing: none (%s)", why)

@@ -126,14 +126,14 @@ def _log_recovery(tracker: tracking.Tracker, parent: str, runs, reused, choice: 
     """Log ``recovery/*`` on this sweep's own finished points against its
     baseline (which may be a reused point). Reused runs keep the recovery of the
     sweep that ran them: the report computes its own against this baseline."""
-    base = report.baseline_run(runs + reused, choice)
+    base = report.table.baseline_run(runs + reused, choice)
     if base is None:
         log.warning("no baseline point %r finished: recovery not computed", choice)
         return
     tracker.run(parent).set_tags({point.BASELINE_TAG: base.info.run_name})
     for r in runs:
         if r.data.tags.get(point.OUTCOME_TAG) == "finished":
-            rec = report.recovery(r.data.metrics, base.data.metrics)
+            rec = report.table.recovery(r.data.metrics, base.data.metrics)
             if rec:
                 tracker.run(r.info.run_id).log_metrics(rec)
 

@@ -136,13 +136,13 @@ def test_recovery_orientation_and_baseline():
     runs = [_run("bf16", 16, {"acc/a": 0.5, "ppl_token_wikitext2_w2048": 10.0}),
             _run("int4", 4.5, {"acc/a": 0.45, "ppl_token_wikitext2_w2048": 12.5}),
             _run("fp32", 32, {"acc/a": 0.5}, outcome="failed")]
-    base = report.baseline_run(runs)
+    base = report.table.baseline_run(runs)
     assert base.info.run_name == "bf16"  # fp32 failed: next-highest precision
-    rec = report.recovery(runs[1].data.metrics, base.data.metrics)
+    rec = report.table.recovery(runs[1].data.metrics, base.data.metrics)
     assert rec == {"recovery/acc/a": pytest.approx(0.9),
                    "recovery/ppl_token_wikitext2_w2048": pytest.approx(0.8)}
-    assert report.baseline_run(runs, "int4").info.run_name == "int4"
-    assert report.baseline_run(runs, "nope") is None
+    assert report.table.baseline_run(runs, "int4").info.run_name == "int4"
+    assert report.table.baseline_run(runs, "nope") is None
 
 
 @needs_data

@@ -84,7 +84,7 @@ def test_the_sweep_retimed_its_qualified_points_side_by_side(sweep_store):
     parent = df.attrs["parent_run_id"]
     tracker = tracking.connect(TrackingConfig(uri=sweep_store, artifact_root=None))
     timed = retime.Retimed.from_json(tracker.download(parent, retime.ARTIFACT).read_text())
-    said = report.declared(MlflowClient(sweep_store).get_run(parent).data.tags)
+    said = report.verdict.declared(MlflowClient(sweep_store).get_run(parent).data.tags)
     assert said.retime_rounds == 12 and len(timed.rounds) == 12 and said.tie_break == "size"
     assert 2 <= len(timed.names) <= said.retime_points and set(timed.names) <= set(df["point"])
     assert all(ms > 0 for row in timed.rounds for ms in row)

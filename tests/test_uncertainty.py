@@ -240,11 +240,11 @@ def test_report_marks_non_significant_differences_and_names_the_rule():
             _run("int8", 8, {"acc/t": 0.58, "acc_stderr/t": 0.05, "lat/tpot_ms_p50": 20}),
             _run("int4", 4, {"acc/t": 0.20, "acc_stderr/t": 0.04, "lat/tpot_ms_p50": 10})]
     items = {"bf16": base_items, "int8": near, "int4": far}
-    text = report.table(runs, base=runs[0], items=items)
+    text = report.table.table(runs, base=runs[0], items=items)
     row = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     assert "0.580±0.050 ~" in row["int8"] and "~" not in row["int4"] and "bf16 (baseline)" in row
     assert "0.600±0.049" in row["bf16 (baseline)"]
-    body, recs = report.decide(runs, "acc/t", (0.05,), runs[0], items)
+    body, recs = report.verdict.decide(runs, "acc/t", (0.05,), runs[0], items)
     assert "closed testing over the 3 real points and the 1 budget together (Holm's step-down rule" in body
     assert "printed at the error its test used" in body
     assert "against bf16" in body and "per comparison" in body
@@ -257,13 +257,13 @@ def test_report_marks_non_significant_differences_and_names_the_rule():
     assert level == pytest.approx(0.025)
     assert f"but \"loss >= 0.05\" has p = {p_int8:.3g}, above the {level:.3g} its test over the 3 points" in body
     assert p_int8 > 0.025
-    assert "int8: acc/t: diff -0.0200" in report.paired_table(runs, runs[0], items)
+    assert "int8: acc/t: diff -0.0200" in report.table.paired_table(runs, runs[0], items)
 
 
 def test_auto_baseline_prefers_bf16_over_fp16_at_equal_bits():
     runs = [_run("fp16@cpu", 16, {}, "fp16"), _run("bf16@cpu", 16, {}, "bf16"), _run("int8@cpu", 8, {}, "int8")]
-    assert report.baseline_run(runs).info.run_name == "bf16@cpu"
-    assert report.baseline_run(list(reversed(runs))).info.run_name == "bf16@cpu"
+    assert report.table.baseline_run(runs).info.run_name == "bf16@cpu"
+    assert report.table.baseline_run(list(reversed(runs))).info.run_name == "bf16@cpu"
 
 
 def test_capacity_objective_picks_the_most_requests_under_the_slo_within_budget():
@@ -275,15 +275,15 @@ def test_capacity_objective_picks_the_most_requests_under_the_slo_within_budget(
             _run("int8", 8, {metric: 20.1, **se, "lat/tpot_ms_p50": 25, "load/knee_rps_lower": 1.9}),
             _run("fp8", 8, {metric: 20.0, **se, "lat/tpot_ms_p50": 24, "load/knee_rps_lower": 0.0}),
             _run("int4", 4, {metric: 22.2, **se, "lat/tpot_ms_p50": 10, "load/knee_rps_lower": 2.7})]
-    assert report.objective(runs) == "capacity" and report.objective(runs[:0]) == "tpot"
-    body, recs = report.decide(runs, metric, (0.01, 0.2), runs[0], {}, by="capacity")
+    assert report.verdict.objective(runs) == "capacity" and report.verdict.objective(runs[:0]) == "tpot"
+    body, recs = report.verdict.decide(runs, metric, (0.01, 0.2), runs[0], {}, by="capacity")
     assert recs[0.01].point.name == "int8" and recs[0.2].point.name == "int4"
     assert "Most capacity within 1% loss: **int8** — 1.90 req/s under the SLOs" in body
     assert "highest capacity under the SLOs (the lower bound of the load probe's knee)" in body
-    _, by_tpot = report.decide(runs, metric, (0.01,), runs[0], {}, by="tpot")
+    _, by_tpot = report.verdict.decide(runs, metric, (0.01,), runs[0], {}, by="tpot")
     assert by_tpot[0.01].point.name == "fp8"
     with pytest.raises(UserError, match="unknown objective 'qps'; valid: auto, tpot, capacity"):
-        report.objective(runs, "qps")
+        report.verdict.objective(runs, "qps")
 
 
 def test_contended_timings_are_marked_and_the_pick_says_when_it_rests_on_one():
@@ -301,19 +301,19 @@ def test_contended_timings_are_marked_and_the_pick_says_when_it_rests_on_one():
             contended(_run("fp16", 16, {ppl: 20.0, **se, "lat/tpot_ms_p50": 193.0})),
             _run("int8", 8, {ppl: 20.05, **se, "lat/tpot_ms_p50": 81.0}),
             _run("int4", 4, {ppl: 23.0, **se, "lat/tpot_ms_p50": 40.0})]
-    text = report.table(runs)
+    text = report.table.table(runs)
     row = {ln.split("|")[1].strip(): ln for ln in text.splitlines() if ln.startswith("| ")}
     assert "709.00†" in row["bf16"] and "193.00†" in row["fp16"] and "81.00 " in row["int8"]
     assert "16.00†" not in row["bf16"]  # sizes and losses are not timings
     assert "- fp16: latency timed beside 1.40 cores of other work (2 cores)" in text
-    body, recs = report.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
+    body, recs = report.verdict.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
     assert recs[0.01].point.name == "int8" and [p.name for p in recs[0.01].contended] == ["fp16", "bf16"]
     assert "cannot tell on latency: fp16 (193.00 ms/token†), bf16 (709.00 ms/token†) also qualified" in body
     # a contended winner stays the pick (contention only inflates its cost) and raises no doubt of its own
     runs[2].data.tags[point.CONTENDED_TAG] = "x"
     for r in runs[:2]:
         del r.data.tags[point.CONTENDED_TAG]
-    body, recs = report.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
+    body, recs = report.verdict.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
     assert recs[0.01].point.name == "int8" and recs[0.01].contended == () and "cannot tell on latency" not in body
 
 
@@ -329,12 +329,12 @@ def test_the_pick_names_a_loser_whose_requests_overlap_its_own():
                                  "lat/tpot_ms_req_hi": hi})
     runs = [timed("fp32", 32, 54.73, 53.9, 55.6), timed("fp16", 16, 27.60, 27.60, 27.68),
             timed("int8", 8, 25.67, 24.77, 28.33), timed("bf16", 16, 46.50, 44.29, 47.51)]
-    body, recs = report.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
+    body, recs = report.verdict.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
     assert recs[0.01].point.name == "int8" and [p.name for p in recs[0.01].close] == ["fp16"]
     assert ("close on latency: fp16 (27.60 ms/token, +7.5%; requests 27.60-27.68) also qualified, and their "
             "requests' TPOTs overlap the pick's (24.77-28.33 ms/token)") in body
     del runs[2].data.metrics["lat/tpot_ms_req_lo"]  # a point timed by one request: no range, nothing said
-    body, recs = report.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
+    body, recs = report.verdict.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
     assert recs[0.01].close == () and "close on latency" not in body
 
 
@@ -350,19 +350,19 @@ def test_the_report_says_when_latency_differences_are_the_engines_overhead():
         return r
 
     flat = [timed("bf16", 60.0, 7.0), timed("int8", 59.0, 9.0), timed("int4", 61.0, 2.0)]
-    note = report.overhead_note(flat)
+    note = report.verdict.overhead_note(flat)
     assert note.startswith("Latency within overhead: TPOT P50 spans 59.00-61.00 ms (1.03x) across 3 real points")
     assert "whose bytes alone would take 2.00-9.00 ms" in note and "cpu: target=llamacpp" in note
-    assert "target.compile_mode=reduce-overhead" in report.overhead_note([timed("a", 10, 2, "cuda"),
+    assert "target.compile_mode=reduce-overhead" in report.verdict.overhead_note([timed("a", 10, 2, "cuda"),
                                                                           timed("b", 10.5, 1, "cuda")])
     smoke = [timed("fp32", 48.53, 19.71), timed("fp16", 39.64, 14.87), timed("bf16", 40.69, 14.87)]
-    assert report.overhead_note(smoke) == ""  # the bytes show: slope 1.8
+    assert report.verdict.overhead_note(smoke) == ""  # the bytes show: slope 1.8
     spread = [timed("f16", 30.0, 25.0, "llamacpp"), timed("q4", 12.0, 8.0, "llamacpp")]
-    assert report.overhead_note(spread) == ""  # overhead is a small part of each step
+    assert report.verdict.overhead_note(spread) == ""  # overhead is a small part of each step
     # emulated and contended points do not count; one point alone, or equal bytes, say nothing
-    assert report.overhead_note([flat[0], timed("fp8", 60.5, 3.0, emulated="true")]) == ""
-    assert report.overhead_note([timed("x", 60, 7), timed("y", 61, 7)]) == ""
-    body, _ = report.decide(flat, "lat/tpot_ms_p50", (0.01,), None, {}, by="tpot")
+    assert report.verdict.overhead_note([flat[0], timed("fp8", 60.5, 3.0, emulated="true")]) == ""
+    assert report.verdict.overhead_note([timed("x", 60, 7), timed("y", 61, 7)]) == ""
+    body, _ = report.verdict.decide(flat, "lat/tpot_ms_p50", (0.01,), None, {}, by="tpot")
     assert "Latency within overhead" in body
 
 
@@ -401,10 +401,10 @@ def test_the_report_says_which_measured_metrics_are_information_only():
     items = {"bf16": {"acc/t": [1.0, 0.0] * 25, "doc_ids/t": list(range(50)),
                       "acc/big": [1.0, 0.0] * 2000, "doc_ids/big": list(range(4000))}}
     runs = [_run("bf16", 16, {"acc/t": 0.5, "acc/big": 0.5})]
-    text = report.information_only(runs, "acc/big", runs[0], items, (0.01, 0.05), 0.025)
-    best = report.best_case("acc/t", runs[0], items, 0.025)
+    text = report.metric.information_only(runs, "acc/big", runs[0], items, (0.01, 0.05), 0.025)
+    best = report.metric.best_case("acc/t", runs[0], items, 0.025)
     assert 0.05 < best < 0.2 and text.startswith(" Information only here") and f"acc/t (at {best:.3g})" in text
-    assert "acc/big" not in text and report.information_only(runs, "acc/t", runs[0], items, (0.2,), 0.025) == ""
+    assert "acc/big" not in text and report.metric.information_only(runs, "acc/t", runs[0], items, (0.2,), 0.025) == ""
 
 
 def test_auto_passes_over_a_metric_whose_design_cannot_decide_any_budget():
@@ -416,19 +416,19 @@ def test_auto_passes_over_a_metric_whose_design_cannot_decide_any_budget():
     cells = [i.rsplit("-", 1)[0] for i in ids]
     items = {"bf16": {"acc/passkey": [1.0] * 12, "doc_ids/passkey": ids, "clusters/passkey": cells}}
     runs = [_run("bf16", 16, {"acc/passkey": 1.0, "fid/top1_agree": 1.0, "fid/identical": 1.0})]
-    metric, why = report.auto_metric(runs, "auto", runs[0], items, (0.01, 0.05), 0.025)
+    metric, why = report.metric.auto_metric(runs, "auto", runs[0], items, (0.01, 0.05), 0.025)
     assert metric == "fid/top1_agree" and why.startswith("auto passed over acc/passkey: a point identical to the "
                                                           "baseline on every item would be bounded at inf")
-    assert report.decision_metric(runs) == "acc/passkey"  # without the baseline's items: the old order
+    assert report.metric.decision_metric(runs) == "acc/passkey"  # without the baseline's items: the old order
     many = [f"c{i}" for i in range(12)]  # 12 independent cells: a zero-miss point is bounded at about z^2 / 12
     items["bf16"]["clusters/passkey"] = many
-    assert report.best_case("acc/passkey", runs[0], items, 0.025) == pytest.approx(
+    assert report.metric.best_case("acc/passkey", runs[0], items, 0.025) == pytest.approx(
         uncertainty.tango_upper(0, 0, 12, 0.025))
     docs = {"bf16": {"acc/t": [1.0, 0.0] * 500, "doc_ids/t": list(range(1000))}}
     kept = [_run("bf16", 16, {"acc/t": 0.5})]
-    assert report.auto_metric(kept, "auto", kept[0], docs, (0.01, 0.05), 0.025) == ("acc/t", "")
+    assert report.metric.auto_metric(kept, "auto", kept[0], docs, (0.01, 0.05), 0.025) == ("acc/t", "")
     items["bf16"]["clusters/passkey"] = cells  # nothing can decide: the first is shown, and the report says so
     alone = [_run("bf16", 16, {"acc/passkey": 1.0})]
-    metric, why = report.auto_metric(alone, "auto", alone[0], items, (0.01, 0.05), 0.025)
+    metric, why = report.metric.auto_metric(alone, "auto", alone[0], items, (0.01, 0.05), 0.025)
     assert metric == "acc/passkey" and why.startswith("no measured metric can decide a budget (auto passed over "
                                                       "acc/passkey") and why.endswith("no point can qualify on it")
