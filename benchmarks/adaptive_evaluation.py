@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from quantlab import point, report, tracking
-from quantlab.config import TrackingConfig
+from quantlab.tracking_config import TrackingConfig
 from quantlab.uncertainty import holm
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,7 +18,8 @@ import time
 import torch
 
 from quantlab import hardware, targets
-from quantlab.config import LatencyProbeConfig, ModelConfig
+from quantlab.config import ModelConfig
+from quantlab.probes.configs import LatencyProbeConfig
 from quantlab.targets.cpu import CPUTargetConfig
 from quantlab.decode import Clock
 from quantlab import corpus

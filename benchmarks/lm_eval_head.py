@@ -21,7 +21,8 @@ import time
 import torch
 
 from quantlab import hardware, models
-from quantlab.config import AccuracyProbeConfig, ModelConfig
+from quantlab.config import ModelConfig
+from quantlab.probes.configs import AccuracyProbeConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import accuracy
 from quantlab.schemes import layers, qlinear

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decision_calibration as calib  # noqa: E402
 
 from quantlab import report, tracking  # noqa: E402
-from quantlab.config import TrackingConfig  # noqa: E402
+from quantlab.tracking_config import TrackingConfig  # noqa: E402
 
 
 def noise(d: np.ndarray) -> dict[str, float]:

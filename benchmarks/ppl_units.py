@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from quantlab import report, tracking
-from quantlab.config import TrackingConfig
+from quantlab.tracking_config import TrackingConfig
 from quantlab.uncertainty import block_stderr, mean_stderr
 
 

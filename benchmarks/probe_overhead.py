@@ -16,7 +16,8 @@ import torch
 from transformers import DynamicCache
 
 from quantlab import models
-from quantlab.config import LatencyProbeConfig, ModelConfig
+from quantlab.config import ModelConfig
+from quantlab.probes.configs import LatencyProbeConfig
 from quantlab.decode import Clock, decode_loop
 from quantlab.engines.pytorch import TorchEngine
 from quantlab import corpus

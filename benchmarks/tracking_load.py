@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from quantlab import tracking, tracking_server
-from quantlab.config import TrackingConfig
+from quantlab.tracking_config import TrackingConfig
 
 PARAMS, TAGS, METRICS = 100, 36, 150  # a smoke point on model=tiny: 99 params, 41 tags (5 from Tracker.start), 85 metrics
 WRITES = PARAMS + TAGS + 5 + METRICS + 1  # Tracker.start adds 5 tags (host, pid, ...), end the outcome

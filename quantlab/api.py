@@ -7,7 +7,7 @@
     quantlab.export(row, "exports/best")              # the artifact that was measured
 
 Every function reads the same store as the command line
-(:func:`quantlab.config.default_tracking_uri`: ``MLFLOW_TRACKING_URI``, else
+(:func:`quantlab.tracking_config.default_tracking_uri`: ``MLFLOW_TRACKING_URI``, else
 ``sqlite:///mlruns/mlflow.db``) unless ``tracking_uri`` is given. Errors a user
 can fix raise :class:`quantlab.errors.UserError` with one line.
 """
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quantlab.config import TrackingConfig, default_tracking_uri
+from quantlab.tracking_config import TrackingConfig, default_tracking_uri
 from quantlab.errors import UserError
 from quantlab.uncertainty import ALPHA
 

@@ -25,7 +25,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from quantlab.compose import plugin_presets, register_configs
 from quantlab import artifacts, point, tracking_server
-from quantlab.config import MODEL_PATH_HINT, RunConfig, check_this_machine, validate
+from quantlab.config import MODEL_PATH_HINT, RunConfig, check_this_machine
+from quantlab.config_check import validate
 from quantlab.errors import UserError
 from quantlab.resources import data_dir
 

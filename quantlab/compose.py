@@ -16,7 +16,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from quantlab import targets
-from quantlab.config import DecisionConfig, ModelConfig, ProbeConfig, ReferenceConfig, RunConfig, SchemeConfig, TrackingConfig
+from quantlab.config import DecisionConfig, ModelConfig, ReferenceConfig, RunConfig, SchemeConfig
+from quantlab.probes.configs import ProbeConfig
+from quantlab.tracking_config import TrackingConfig
 from quantlab.schemes import registry
 
 _PLAIN = ("model", "reference", "probe", "tracking", "decision")  # dataclass slots: their fields alone

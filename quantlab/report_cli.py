@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from quantlab.config import default_tracking_uri
+from quantlab.tracking_config import default_tracking_uri
 from quantlab.errors import UserError
 from quantlab.point import find_report
 from quantlab.store_read import open_store
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None, prog: str = "quantlab report") -> int:
         except LookupError as e:
             raise UserError(str(e)) from None
         from quantlab import report, tracking
-        from quantlab.config import TrackingConfig
+        from quantlab.tracking_config import TrackingConfig
 
         tracker = tracking.connect(TrackingConfig(uri=args.tracking_uri, experiment=args.experiment,
                                                   artifact_root=None))

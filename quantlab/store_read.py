@@ -94,6 +94,6 @@ def open_store(uri: str, experiment: str) -> Store:
         except sqlite3.Error:  # not the schema we read: the slower, general path
             pass
     from quantlab import tracking
-    from quantlab.config import TrackingConfig
+    from quantlab.tracking_config import TrackingConfig
 
     return tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))

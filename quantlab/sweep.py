@@ -21,7 +21,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from quantlab import capabilities, point, report, retiming, tracking
-from quantlab.config import DecisionConfig, TrackingConfig
+from quantlab.config import DecisionConfig
+from quantlab.tracking_config import TrackingConfig
 from quantlab.digest import write_atomic
 from quantlab.errors import UserError
 

@@ -31,7 +31,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
 
 from quantlab import tracking_server
-from quantlab.config import TrackingConfig
+from quantlab.tracking_config import TrackingConfig
 from quantlab.errors import UserError
 from quantlab.point import (CREATE_KEY_TAG, HASH_TAG, HOST_ID_TAG, HOST_TAG, OUTCOME_TAG, PARENT_TAG, PID_START_TAG,
                             PID_TAG, REASON_TAG, REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SWEEP_TAG, find_sweep,

@@ -37,7 +37,7 @@ from urllib.parse import urlparse
 import psutil
 
 from quantlab import ports
-from quantlab.config import TrackingConfig, shown_uri
+from quantlab.tracking_config import TrackingConfig, shown_uri
 from quantlab.errors import UserError
 
 log = logging.getLogger("quantlab")

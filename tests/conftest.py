@@ -68,7 +68,7 @@ def llama_tools() -> Path:
 def tracker(uri: str, experiment: str = "quantlab"):
     """quantlab's :class:`~quantlab.tracking.Tracker` on a store a test's sweep wrote."""
     from quantlab import tracking
-    from quantlab.config import TrackingConfig
+    from quantlab.tracking_config import TrackingConfig
 
     return tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None))
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 import torch
 
 from quantlab import models, report, tracking
-from quantlab.config import AccuracyProbeConfig, ModelConfig
+from quantlab.config import ModelConfig
+from quantlab.probes.configs import AccuracyProbeConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
 from quantlab.probes import accuracy, perplexity

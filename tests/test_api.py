@@ -78,7 +78,7 @@ def test_the_sweep_retimed_its_qualified_points_side_by_side(sweep_store):
     from mlflow import MlflowClient
 
     from quantlab import report, retime, tracking
-    from quantlab.config import TrackingConfig
+    from quantlab.tracking_config import TrackingConfig
 
     df = quantlab.results("latest", tracking_uri=sweep_store)
     parent = df.attrs["parent_run_id"]
@@ -123,7 +123,7 @@ def test_results_of_a_store_without_the_sweep_says_which_there_are(sweep_store, 
 def test_every_command_defaults_to_mlflow_tracking_uri(monkeypatch, tmp_path):
     """One tracking setting: the Hydra preset, the report and the export read
     MLFLOW_TRACKING_URI; unset, all three default to the same local file."""
-    from quantlab import config, report_cli
+    from quantlab import report_cli, tracking_config
     from quantlab.export import cli as export_cli
 
     def defaults():
@@ -139,8 +139,8 @@ def test_every_command_defaults_to_mlflow_tracking_uri(monkeypatch, tmp_path):
                 mod.main([])
         return seen["report"], seen["export"], compose_cfg().tracking.uri
 
-    assert defaults() == (config.DEFAULT_TRACKING_URI,) * 3
-    assert "${oc.env:MLFLOW_TRACKING_URI," + config.DEFAULT_TRACKING_URI + "}" in \
+    assert defaults() == (tracking_config.DEFAULT_TRACKING_URI,) * 3
+    assert "${oc.env:MLFLOW_TRACKING_URI," + tracking_config.DEFAULT_TRACKING_URI + "}" in \
         (REPO / "conf" / "tracking" / "local.yaml").read_text()
     uri = f"sqlite:///{tmp_path}/env.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from quantlab.cli import GROUPS, presets
-from quantlab.config import ModelConfig, ProbeConfig, RunConfig
+from quantlab.config import ModelConfig, RunConfig
+from quantlab.probes.configs import ProbeConfig
 from quantlab.targets.cpu import CPUTargetConfig
 from quantlab.targets.cuda import CUDATargetConfig
 from quantlab.targets.neuron import NeuronTargetConfig
@@ -119,7 +120,7 @@ def test_one_switch_makes_both_adaptive_probes_adaptive_and_round_trips():
 def test_every_preset_passes_validation(tmp_path):
     """model.path is checked at compose time: the hf and gguf presets get a
     directory and a file that exist (the directory with what makes it a model's)."""
-    from quantlab.config import validate
+    from quantlab.config_check import validate
 
     from gguf import GGUFWriter
 
@@ -218,14 +219,15 @@ def test_an_unknown_config_type_is_one_line():
     ("target.compile_mode=turbo", "target.compile_mode='turbo': valid: default, max-autotune"),
 ])
 def test_string_choices_are_checked_in_one_place(override, match):
-    from quantlab.config import validate
+    from quantlab.config_check import validate
 
     with pytest.raises(ValueError, match=match):
         validate(compose_cfg([override]))
 
 
 def test_every_policy_the_config_offers_is_served():
-    from quantlab.config import POLICIES, LoadProbeConfig, choices
+    from quantlab.config_check import choices
+    from quantlab.probes.configs import LoadProbeConfig, POLICIES
     from quantlab.serving import policies
 
     assert tuple(policies.NEEDS) == POLICIES == choices(LoadProbeConfig, "policies")
@@ -243,7 +245,8 @@ def test_a_postgres_store_without_its_driver_names_the_extra(monkeypatch):
     import tomllib
     from sqlalchemy.dialects import registry
 
-    from quantlab.config import TrackingConfig, validate
+    from quantlab.config_check import validate
+    from quantlab.tracking_config import TrackingConfig
     from tests.conftest import REPO
 
     default = registry.load("postgresql").driver  # psycopg from SQLAlchemy 2.1, psycopg2 before

@@ -18,6 +18,7 @@ import pytest
 from quantlab import cli, config, model_files, tracking_server
 from quantlab.compose import register_configs
 from quantlab.errors import UserError
+from quantlab.probes.configs import check_decision_metric
 from quantlab.probes.accuracy import flatten_results
 from quantlab.probes.perplexity import metric_name
 from tests.conftest import REPO, compose_cfg, free_port, run_cli, tracker
@@ -88,9 +89,9 @@ def test_every_metric_the_probes_log_for_a_decision_is_accepted():
     names = [metric_name(128, 64, None), metric_name(128, 64, 64), *lm_eval, "recovery/acc/piqa_local",
              "fid/kl_mean", "fid/top1_agree", "kvfid/kl_mean", "acc/passkey"]
     for name in names:
-        config._check_decision_metric(name, probe)
+        check_decision_metric(name, probe)
     with pytest.raises(ValueError, match="decision.metric=myprobe/score: no enabled probe logs it"):
-        config._check_decision_metric("myprobe/score", probe)
+        check_decision_metric("myprobe/score", probe)
 
 
 def test_a_probe_longer_than_the_models_context_is_refused(tmp_path):

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from quantlab import models
-from quantlab.config import CacheProbeConfig, ModelConfig
+from quantlab.config import ModelConfig
+from quantlab.probes.configs import CacheProbeConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.probes import cache as cache_probe
 from quantlab import corpus

@@ -89,7 +89,8 @@ def test_an_exact_cache_scores_zero_and_quantized_ones_grow_by_scheme(tiny):
 
 
 def test_chunk_must_leave_positions_to_measure():
-    from quantlab.config import KVPositionProbeConfig, validate
+    from quantlab.config_check import validate
+    from quantlab.probes.configs import KVPositionProbeConfig
 
     with pytest.raises(ValueError, match="chunk=400: must be below length - 1"):
         validate(KVPositionProbeConfig(length=400, chunk=400))

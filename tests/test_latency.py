@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from quantlab import models
-from quantlab.config import LatencyProbeConfig, ModelConfig, TinyModelConfig
+from quantlab.config import ModelConfig, TinyModelConfig
+from quantlab.probes.configs import LatencyProbeConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab import corpus
 from quantlab.probes import energy, latency, roofline, stages

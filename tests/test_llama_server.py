@@ -9,7 +9,8 @@ import torch
 
 from quantlab import models
 from quantlab.export import gguf as gguf_export
-from quantlab.config import LoadProbeConfig, ModelConfig, TinyModelConfig
+from quantlab.config import ModelConfig, TinyModelConfig
+from quantlab.probes.configs import LoadProbeConfig
 from quantlab.errors import UserError
 from quantlab.probes import load
 from quantlab.serving import llama_server, policies

@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantlab import models, report, tracking
-from quantlab.config import LoadProbeConfig, ModelConfig, SLOConfig, validate
+from quantlab.config import ModelConfig
+from quantlab.config_check import validate
+from quantlab.probes.configs import LoadProbeConfig, SLOConfig
 from quantlab.decode import Decoded
 from quantlab.engines.base import Engine
 from quantlab.engines.pytorch import TorchEngine

@@ -162,7 +162,8 @@ def test_an_exact_cache_scores_what_the_uncached_pass_scores(tiny):
 def test_the_config_refuses_what_cannot_be_scored():
     from tests.conftest import compose_cfg
 
-    from quantlab.config import PasskeyProbeConfig, validate
+    from quantlab.config_check import validate
+    from quantlab.probes.configs import PasskeyProbeConfig
 
     with pytest.raises(ValueError, match=r"depths=\[1.5\]: must be 0..1"):
         validate(PasskeyProbeConfig(depths=[1.5]), "probe.passkey.")

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantlab import models
-from quantlab.config import LatencyProbeConfig, ModelConfig
+from quantlab.config import ModelConfig
+from quantlab.probes.configs import LatencyProbeConfig
 from quantlab.decode import Clock
 from quantlab.engines.pytorch import TorchEngine
 from quantlab import corpus

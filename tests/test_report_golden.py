@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from quantlab import point, report, retime, tracking
-from quantlab.config import TrackingConfig
+from quantlab.tracking_config import TrackingConfig
 
 GOLDEN = Path(__file__).parent / "golden" / "report.md"
 WINDOWS, TOKENS, DOCS = 64, 31, 200

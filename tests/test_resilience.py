@@ -239,7 +239,7 @@ def test_a_moved_store_reads_its_artifacts_where_it_now_is(tmp_path):
     still load (the export reads config.yaml from there)."""
     import shutil
 
-    from quantlab.config import TrackingConfig
+    from quantlab.tracking_config import TrackingConfig
 
     old = tmp_path / "old" / "mlruns"
     first = run_cli(["model=tiny", "probe=smoke", "probe.latency.enabled=false",
@@ -261,7 +261,7 @@ def test_a_create_retried_after_its_answer_was_lost_leaves_one_run(tmp_path, mon
     """MLflow's client retries a request whose answer was lost (a tracking
     server restarted while it replied): the create ran twice on the server.
     Tracker.start deletes the twin its own key finds, so a point is one run."""
-    from quantlab.config import TrackingConfig
+    from quantlab.tracking_config import TrackingConfig
 
     t = tracking.connect(TrackingConfig(uri=f"sqlite:///{tmp_path}/m.db", artifact_root=None))
     client, exp = t.client, t.experiment_id
@@ -301,7 +301,7 @@ def test_an_experiment_another_writer_created_meanwhile_is_used(tmp_path, monkey
     """Two sweeps starting at once on a new store both find no experiment and
     both create it: the loser's RESOURCE_ALREADY_EXISTS (a PostgreSQL unique
     violation behind a server) means "use it", not "store unusable"."""
-    from quantlab.config import TrackingConfig
+    from quantlab.tracking_config import TrackingConfig
 
     cfg = TrackingConfig(uri=f"sqlite:///{tmp_path}/m.db", artifact_root=None)
     first = tracking.connect(cfg).experiment_id

@@ -119,7 +119,8 @@ def test_false_qualification_under_the_stopping_rule_is_at_most_alpha(budget, si
 
 
 def test_an_error_rate_or_budget_of_1_or_more_is_refused():
-    from quantlab.config import PerplexityProbeConfig, validate
+    from quantlab.config_check import validate
+    from quantlab.probes.configs import PerplexityProbeConfig
 
     with pytest.raises(ValueError, match="adaptive_alpha=1.5.*each below 1"):
         validate(PerplexityProbeConfig(adaptive_alpha=1.5), "probe.perplexity.")

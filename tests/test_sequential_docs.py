@@ -103,7 +103,8 @@ def test_documents_come_in_draw_order_and_unsupported_tasks_are_refused():
     order = accuracy.sample_order(500, 50, 3, TASK)
     assert sorted(order) == accuracy.sample_indices(500, 50, 3, TASK) and order != sorted(order)
     assert sorted(accuracy.sample_order(20, None, 3, TASK)) == list(range(20))
-    from quantlab.config import AccuracyProbeConfig, validate
+    from quantlab.config_check import validate
+    from quantlab.probes.configs import AccuracyProbeConfig
 
     with pytest.raises(ValueError, match=r"lambada_openai_local cannot be scored adaptively .* adaptive tasks: "):
         validate(AccuracyProbeConfig(adaptive=True, tasks=["arc_easy_local", "lambada_openai_local"]),

@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from quantlab import tracking
-from quantlab.config import shown_uri
+from quantlab.tracking_config import shown_uri
 from tests.conftest import REPO, MlflowServer, free_port, run_cli
 
 pytestmark = pytest.mark.server

@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from quantlab.config import default_tracking_uri
+from quantlab.tracking_config import default_tracking_uri
 from quantlab.errors import UserError
 from quantlab.export.formats import FORMATS
 from quantlab.point import (REUSED_FROM_TAG, SCHEME_TAG, exportable_tag, find_sweep, post_hoc_tag, recommended_budgets,
@@ -109,7 +109,7 @@ def export(out: Path, *, run: str | None = None, sweep: str | None = None, budge
     uri = tracking_uri or default_tracking_uri()
     run_id = resolve(open_store(uri, experiment), run, sweep, budget, fmt)
     from quantlab import tracking
-    from quantlab.config import TrackingConfig
+    from quantlab.tracking_config import TrackingConfig
     from quantlab.export import run as work
 
     source = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None)).run(run_id)

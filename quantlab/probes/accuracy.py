@@ -14,7 +14,7 @@ import logging
 import random
 from pathlib import Path
 
-from quantlab.config import AccuracyProbeConfig
+from quantlab.probes.configs import AccuracyProbeConfig
 from quantlab.digest import computed_once, write_atomic
 from quantlab.errors import UserError
 from quantlab.resources import data_dir

@@ -27,7 +27,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from quantlab import sequential, uncertainty
-from quantlab.config import AccuracyProbeConfig
+from quantlab.probes.configs import AccuracyProbeConfig
 from quantlab.digest import computed_once, sha256_file
 from quantlab.point import IDENTICAL_STOP
 from quantlab.probes import accuracy

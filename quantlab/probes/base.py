@@ -76,7 +76,7 @@ class ProbeContext:
         """``probe.plugins.<probe>`` of the config: the settings dataclass
         its probe declares (``quantlab.probe_specs``), filled and checked;
         a dict (empty when not given) where it declares none."""
-        from quantlab.config import plugin_settings
+        from quantlab.probes.configs import plugin_settings
 
         return plugin_settings(probe, self.cfg.probe.plugins.get(probe) or {})
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from quantlab import models
-from quantlab.config import CacheProbeConfig
+from quantlab.probes.configs import CacheProbeConfig
 from quantlab.divergence import kl_per_token
 from quantlab.probes.fidelity import logprobs
 

@@ -12,7 +12,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from quantlab.config import LatencyProbeConfig
+from quantlab.probes.configs import LatencyProbeConfig
 from quantlab.decode import Clock
 from quantlab.probes.memory import PeakRSS
 from quantlab.stats import summarize

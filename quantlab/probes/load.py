@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from quantlab import uncertainty
-from quantlab.config import LoadProbeConfig, check_choice, choices
+from quantlab.config_check import check_choice, choices
+from quantlab.probes.configs import LoadProbeConfig
 from quantlab.probes import knee
 from quantlab.serving.policies import Policy, cannot, make_policy
 from quantlab.serving.requests import Limits, Request

@@ -1,7 +1,7 @@
 """Base classes of scheme configs: a dataclass whose fields are the whole public
 surface of a scheme; it round-trips to a plain dict (MLflow params, export
 manifests) with its type name. A scheme's fields declare their valid values
-in ``metadata`` (:func:`quantlab.config.validate` reads them, as it does every
+in ``metadata`` (:func:`quantlab.config_check.validate` reads them, as it does every
 config's), checked when the config is constructed: in Python as on the command
 line, a bad value is one line naming the scheme (``LABEL``), field and value."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from quantlab.config import validate
+from quantlab.config_check import validate
 
 
 @dataclass

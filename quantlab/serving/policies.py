@@ -17,7 +17,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from quantlab.config import POLICIES, check_choice
+from quantlab.config_check import check_choice
+from quantlab.probes.configs import POLICIES
 from quantlab.decode import Clock
 from quantlab.serving.requests import Limits, Request
 
@@ -93,13 +94,13 @@ class BatchPolicy(Policy):
             r.tokens = [] if chosen is None else chosen[i, :r.n_new].tolist()
 
 
-# The engine capability each policy of ``config.POLICIES`` needs ('' none).
+# The engine capability each policy of ``quantlab.probes.configs.POLICIES`` needs ('' none).
 NEEDS = {"continuous": "continuous", "dynamic": "batch", "passthrough": ""}
 
 
 def make_policy(name: str, engine, cfg) -> Policy:
-    """The policy ``name`` (one of ``config.POLICIES``; the config checks it)
-    over ``engine`` (``cfg``: :class:`~quantlab.config.LoadProbeConfig`)."""
+    """The policy ``name`` (one of ``quantlab.probes.configs.POLICIES``; the config checks it)
+    over ``engine`` (``cfg``: :class:`~quantlab.probes.configs.LoadProbeConfig`)."""
     check_choice("probe.load.policies", name, POLICIES, element=True)
     if name == "continuous":
         return engine.scheduler(cfg.max_batch, cfg.prompt_tokens + cfg.new_tokens)

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 from transformers import StaticCache
 
-from quantlab.config import validate
+from quantlab.config_check import validate
 from quantlab.engines.base import Engine
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
