@@ -40,7 +40,11 @@ class MetricSpec:
     without them is bounded from the standard error logged beside it
     (``<name>_stderr``). ``decision``: it may be ``decision.metric``.
     ``column``: its header in the report's table (``{name}``: the metric's
-    own name), empty for none; ``fmt`` its format."""
+    own name), empty for none; ``fmt`` its format; ``always``: the column
+    stands even where no point logged it (the table's fixed columns, in
+    declaration order; the others follow where logged, by declaration and
+    name). ``timed``: a timing, marked where other processes shared the
+    cores while it was taken."""
 
     pattern: str
     direction: str = "info"
@@ -49,6 +53,8 @@ class MetricSpec:
     decision: bool = False
     column: str = ""
     fmt: str = "{:.4g}"
+    always: bool = False
+    timed: bool = False
 
     def __post_init__(self) -> None:
         for name, value, valid in (("direction", self.direction, DIRECTIONS), ("loss", self.loss, LOSSES),
@@ -83,24 +89,46 @@ PPL_STEM = "ppl_token_wikitext2_w"  # perplexity's name stem, then its window (a
 FIDELITY = ("fid/kl_mean", "fid/top1_agree", "fid/kl_topk_lb_mean")
 CACHE = ("kvfid/kl_mean",)
 PASSKEY = "acc/passkey"
+WEIGHT_MB, BITS_PER_WEIGHT = "size/weight_mb", "size/bits_per_weight"  # the size probe's
 LM_EVAL_HIGHER = ("acc/", "acc_norm/", "exact_match/")
 LM_EVAL_LOWER = ("perplexity/", "word_perplexity/", "byte_perplexity/", "bits_per_byte/")
 
+def _column(name: str, header: str, fmt: str, timed: bool = False) -> MetricSpec:
+    """One information-only metric that is a fixed column of the report's table."""
+    return MetricSpec(re.escape(name), column=header, fmt=fmt, always=True, timed=timed)
+
+
 BUILTIN = (
+    ProbeSpec("size", (_column(WEIGHT_MB, "MiB", "{:.1f}"), _column(BITS_PER_WEIGHT, "bits/w", "{:.2f}"))),
     ProbeSpec("fidelity", (
-        MetricSpec(r"fid/kl_mean|fid/kl_topk_lb_mean", "lower", "value", decision=True),
-        MetricSpec(r"fid/top1_agree", "higher", "complement", decision=True),
+        MetricSpec(r"fid/kl_mean", "lower", "value", decision=True, column="KL mean", fmt="{:.2e}", always=True),
+        MetricSpec(r"fid/kl_topk_lb_mean", "lower", "value", decision=True),
+        MetricSpec(r"fid/top1_agree", "higher", "complement", decision=True, column="top1", fmt="{:.3f}", always=True),
     )),
-    ProbeSpec("cache", (MetricSpec(r"kvfid/kl_mean", "lower", "value", decision=True),)),
-    ProbeSpec("perplexity", (
-        MetricSpec(re.escape(PPL_STEM) + r"\d+(_(rand|first)\d+)?", "lower", items="tokens", decision=True,
-                   column="{name}"),
+    ProbeSpec("cache", (  # decoding through the point's cache vs without one
+        MetricSpec(r"kvfid/kl_mean", "lower", "value", decision=True, column="KV KL", fmt="{:.2e}", always=True),)),
+    ProbeSpec("latency", (
+        _column("lat/ttft_ms_p50", "TTFT p50 ms", "{:.1f}", timed=True),
+        _column("lat/tpot_ms_p50", "TPOT p50 ms", "{:.2f}", timed=True),
+        _column("lat/tpot_ms_p99", "TPOT p99 ms", "{:.2f}", timed=True),
+        _column("tput/decode_tok_s", "decode tok/s", "{:.1f}", timed=True),
+        _column("mem/peak_rss_mb", "peak RSS MiB", "{:.0f}"),
+        MetricSpec(r"(lat|tput)/.+", timed=True),
     )),
     ProbeSpec("accuracy", (  # lm-eval's metric kinds per task (the passkey probe logs acc/passkey)
         MetricSpec(r"(acc|acc_norm)/.+", "higher", items="documents", decision=True, column="{name}", fmt="{:.3f}"),
         MetricSpec(r"exact_match/.+", "higher", items="documents", decision=True),
         MetricSpec(r"(perplexity|word_perplexity|byte_perplexity|bits_per_byte)/.+", "lower", items="documents",
                    decision=True),
+    )),
+    ProbeSpec("perplexity", (
+        MetricSpec(re.escape(PPL_STEM) + r"\d+(_(rand|first)\d+)?", "lower", items="tokens", decision=True,
+                   column="{name}"),
+    )),
+    ProbeSpec("load", (  # the capacity columns appear in a serving sweep; the lower bound at uncertainty.LEVEL
+        MetricSpec(r"load/knee_rps", column="capacity under SLOs req/s", fmt="{:.2f}", timed=True),
+        MetricSpec(r"load/knee_rps_lower", column="capacity 95% lower bound", fmt="{:.2f}", timed=True),
+        MetricSpec(r"load/.+", timed=True),
     )),
 )
 
@@ -128,6 +156,28 @@ def spec(name: str) -> MetricSpec | None:
     if name.endswith(AUXILIARY):
         return None
     return next((m for p in declared() for m in p.metrics if m.matches(name)), None)
+
+
+def columns(logged: set[str]) -> list[tuple[str, str, str]]:
+    """The report's metric columns, ``(header, metric, format)``: every
+    declared ``always`` column in declaration order, then each metric in
+    ``logged`` that a declaration gives a column, by declaration and name."""
+    fixed, found = [], []
+    for p in declared():
+        for m in p.metrics:
+            if m.always:
+                fixed.append((m.column, m.pattern.replace("\\", ""), m.fmt))
+    order = {m: i for i, m in enumerate(m for p in declared() for m in p.metrics)}
+    for name in logged:
+        s = spec(name)
+        if s is not None and s.column and not s.always:
+            found.append((order[s], name, (s.column.format(name=name), name, s.fmt)))
+    return fixed + [c for _, _, c in sorted(found)]
+
+
+def timed(name: str) -> bool:
+    """A timing (:attr:`MetricSpec.timed`)."""
+    return (s := spec(name)) is not None and s.timed
 
 
 def higher(name: str) -> bool:

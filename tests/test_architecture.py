@@ -101,6 +101,19 @@ def test_the_report_and_the_run_config_are_split_into_small_modules():
     assert max(sizes.values()) < 350, sizes
 
 
+def test_the_reports_table_names_no_metric_its_probes_do_not_declare():
+    """The table's metric columns, their formats and which are timings come
+    from the probes' declarations (quantlab.metric_names), not from names
+    written in the table's code; the capacity column's level is the one the
+    knee's bound uses."""
+    from quantlab import metric_names, uncertainty
+
+    code = (PKG / "report" / "table.py").read_text()
+    assert not re.findall(r"[\"'](lat|tput|size|mem|fid|kvfid|load|acc|acc_norm|ppl)[/_]", code)
+    assert (f"capacity {uncertainty.LEVEL:.0%} lower bound", "load/knee_rps_lower", "{:.2f}") in \
+        metric_names.columns({"load/knee_rps_lower"})
+
+
 def test_every_module_has_a_layer():
     for m in imports():
         layer(m)

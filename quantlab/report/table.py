@@ -8,22 +8,12 @@ from quantlab import decision, metric_names, point, tracking, uncertainty
 from quantlab.measurement import TIME_PREFIX
 
 
-# (header, metric or tag key, format); a metric with a standard error (see
-# STDERR) prints as "value±se".
-COLUMNS = (
+# (header, tag key, format): the columns before the metrics', which their probes declare (metric_names.columns); a
+# metric with a standard error prints as "value±se"
+POINT_COLUMNS = (
     ("point", "name", "{}"),
     ("outcome", "tag:" + point.OUTCOME_TAG, "{}"),
     ("emulated", "tag:" + point.EMULATED_TAG, "{}"),
-    ("MiB", "size/weight_mb", "{:.1f}"),
-    ("bits/w", "size/bits_per_weight", "{:.2f}"),
-    ("KL mean", "fid/kl_mean", "{:.2e}"),
-    ("top1", "fid/top1_agree", "{:.3f}"),
-    ("KV KL", "kvfid/kl_mean", "{:.2e}"),  # decoding through the point's cache vs without one
-    ("TTFT p50 ms", "lat/ttft_ms_p50", "{:.1f}"),
-    ("TPOT p50 ms", "lat/tpot_ms_p50", "{:.2f}"),
-    ("TPOT p99 ms", "lat/tpot_ms_p99", "{:.2f}"),
-    ("decode tok/s", "tput/decode_tok_s", "{:.1f}"),
-    ("peak RSS MiB", "mem/peak_rss_mb", "{:.0f}"),
 )
 
 
@@ -31,10 +21,6 @@ NOT_SIGNIFICANT = "~"
 
 
 CONTENDED = "†"  # beside a timing taken while other processes used the cores (tag point.CONTENDED_TAG)
-
-
-# columns whose figure a contended timing inflates
-TIMED = ("lat/", "tput/", "load/")
 
 
 def stderr_of(metrics: dict[str, float], key: str) -> float | None:
@@ -67,13 +53,7 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
     With ``base`` and per-run ``items``, accuracy and perplexity cells whose
     paired difference from the baseline is not significant carry ``~``."""
     items = items or {}
-    shown = {k for _, k, _ in COLUMNS}
-    extra = sorted({k for r in runs for k in r.data.metrics
-                    if k not in shown and (s := metric_names.spec(k)) is not None and s.column})
-    columns = [*COLUMNS, *((metric_names.spec(k).column.format(name=k), k, metric_names.spec(k).fmt) for k in extra)]
-    if any("load/knee_rps" in r.data.metrics for r in runs):
-        columns += [("capacity under SLOs req/s", "load/knee_rps", "{:.2f}"),
-                    (f"capacity {uncertainty.LEVEL:.0%} lower bound", "load/knee_rps_lower", "{:.2f}")]
+    columns = [*POINT_COLUMNS, *metric_names.columns({k for r in runs for k in r.data.metrics})]
     rows = [[h for h, _, _ in columns]]
     for r in runs:
         note = " (baseline)" if base is not None and r.info.run_id == base.info.run_id else ""
@@ -84,7 +64,7 @@ def table(runs, reused: set[str] = frozenset(), base=None, items: dict | None = 
                 if pair is not None and not pair.significant:
                     row[i] += " " + NOT_SIGNIFICANT
         if point.CONTENDED_TAG in r.data.tags:
-            row = [c + CONTENDED if k.startswith(TIMED) and c != "-" else c for c, (_, k, _) in zip(row, columns)]
+            row = [c + CONTENDED if metric_names.timed(k) and c != "-" else c for c, (_, k, _) in zip(row, columns)]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
@@ -167,8 +147,8 @@ def baseline_run(runs, choice: str = "auto"):
     done = [r for r in runs if tracking.done(r)]
     if choice != "auto":
         return next((r for r in done if r.data.tags.get(point.SCHEME_TAG) == choice), None)
-    with_bits = [r for r in done if "size/bits_per_weight" in r.data.metrics]
-    return max(with_bits, key=lambda r: (r.data.metrics["size/bits_per_weight"],
+    with_bits = [r for r in done if metric_names.BITS_PER_WEIGHT in r.data.metrics]
+    return max(with_bits, key=lambda r: (r.data.metrics[metric_names.BITS_PER_WEIGHT],
                                          r.data.tags.get(point.SCHEME_TAG) == "bf16", r.info.run_name), default=None)
 
 

@@ -204,7 +204,7 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
 
 
 # the tie-break's figure of a point, lower wins (decision.tie_break)
-TIE_BREAKS = {"size": "size/weight_mb", "bits": "size/bits_per_weight"}
+TIE_BREAKS = {"size": metric_names.WEIGHT_MB, "bits": metric_names.BITS_PER_WEIGHT}
 
 
 def draws_text(tags: dict[str, str]) -> str:
