@@ -144,7 +144,7 @@ def export(row: pandas.Series | str, out: str | Path, *, fmt: str = "checkpoint"
     ``out`` as ``quantlab export --run`` does: rebuilt from the run that
     measured it and checked by a round trip. The row's store is used unless
     ``tracking_uri`` is given. Returns ``out``."""
-    from quantlab.export.cli import export as write
+    from quantlab.export_cli import export as write
 
     if isinstance(row, str):
         run_id, attrs = row, {}

@@ -20,7 +20,7 @@ import sys
 COMMANDS = {
     "run": ("quantlab.cli", "run a sweep or a point (Hydra overrides)"),
     "report": ("quantlab.report_cli", "a sweep's report, Pareto plot and picks"),
-    "export": ("quantlab.export.cli", "export a point as a checkpoint or a GGUF file"),
+    "export": ("quantlab.export_cli", "export a point as a checkpoint or a GGUF file"),
     "capabilities": ("quantlab.capabilities", "which scheme runs on which target, here"),
     "sensitivity": ("quantlab.sensitivity", "per-layer sensitivity and mixed-precision recipes"),
 }

@@ -25,7 +25,7 @@ import psutil
 
 from quantlab import corpus, pipeline, provenance, report, tracking
 from quantlab.export import state as quantized_state
-from quantlab.export.run import run_config
+from quantlab.export_run import run_config
 from quantlab.measurement import Measurement
 from quantlab.probes import latency
 from quantlab.report.verdict import SKIPPED_TAG

@@ -124,7 +124,7 @@ def test_every_command_defaults_to_mlflow_tracking_uri(monkeypatch, tmp_path):
     """One tracking setting: the Hydra preset, the report and the export read
     MLFLOW_TRACKING_URI; unset, all three default to the same local file."""
     from quantlab import report_cli, tracking_config
-    from quantlab.export import cli as export_cli
+    from quantlab import export_cli
 
     def defaults():
         import argparse

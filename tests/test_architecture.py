@@ -31,7 +31,7 @@ LAYERS = [
     ("writers", ["export.formats", "export.checkpoint", "export.gguf", "export.roundtrip", "export"]),
     ("targets", ["targets"]),
     ("app", ["compose", "provenance", "pipeline", "report", "report_cli", "serving_report", "scaling", "sweep", "cli",
-             "capabilities", "sensitivity", "__main__", "export.run", "export.cli", "export.__main__", "console", "api",
+             "capabilities", "sensitivity", "__main__", "export_run", "export_cli", "export.__main__", "console", "api",
              "retiming"]),
 ]
 
@@ -112,6 +112,16 @@ def test_the_reports_table_names_no_metric_its_probes_do_not_declare():
     assert not re.findall(r"[\"'](lat|tput|size|mem|fid|kvfid|load|acc|acc_norm|ppl)[/_]", code)
     assert (f"capacity {uncertainty.LEVEL:.0%} lower bound", "load/knee_rps_lower", "{:.2f}") in \
         metric_names.columns({"load/knee_rps_lower"})
+
+
+def test_export_is_one_floor_of_writers():
+    """export/ holds the writers the targets import; the export command and
+    its rebuild of a point (app level) live beside the other commands
+    (export_cli, export_run), so no module of export/ but its ``__main__``
+    shim is above the writers' floor."""
+    writers = next(i for i, (n, _) in enumerate(LAYERS) if n == "writers")
+    mods = [m for m in imports() if m.startswith("quantlab.export.") and not m.endswith("__main__")]
+    assert mods and all(layer(m) == writers for m in mods), {m: layer(m) for m in mods}
 
 
 def test_every_module_has_a_layer():

@@ -117,7 +117,7 @@ def test_export_holds_the_same_integers(store, tmp_path):
     """The int8 checkpoint (pack-quantized, four to an int32) stores exactly
     the integers the point computed with."""
     from quantlab.compose import config_from_dict
-    from quantlab.export.run import rebuild
+    from quantlab.export_run import rebuild
     import yaml
 
     client, ids, d = store
@@ -160,7 +160,7 @@ def test_asymmetric_int4_is_packed_with_the_points_own_integers(store, tmp_path)
     config: transformers' compressed path cannot read packed zero points)."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from quantlab.compose import config_from_dict
-    from quantlab.export.run import rebuild
+    from quantlab.export_run import rebuild
     import yaml
 
     client, ids, _ = store

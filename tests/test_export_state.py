@@ -10,7 +10,7 @@ import pytest
 from quantlab import point
 from quantlab.digest import sha256_file
 from quantlab.export import state as quantized_state
-from quantlab.export.run import export_run
+from quantlab.export_run import export_run
 from quantlab.schemes import registry
 from quantlab.schemes.configs import GPTQScheme
 from tests.conftest import run_cli, tracker

@@ -44,7 +44,7 @@ def test_int4_g64_exports_four_bit_on_disk(tmp_path):
     """SmolLM2: the int4-g64 checkpoint is at most 0.45 of the bf16 one's bytes
     (packed int4 + a bf16 scale and an int8 zero point per 64 weights; the
     tied embedding stays bf16), and both reload through the round trip."""
-    from quantlab.export import run as export
+    from quantlab import export_run as export
     from quantlab.pipeline import run_point
     from tests.conftest import compose_cfg
 

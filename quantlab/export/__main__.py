@@ -1,4 +1,4 @@
-"""``python -m quantlab.export``: see :mod:`quantlab.export.cli`."""
-from quantlab.export.cli import main
+"""``python -m quantlab.export``: see :mod:`quantlab.export_cli`."""
+from quantlab.export_cli import main
 
 raise SystemExit(main())

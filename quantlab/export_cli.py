@@ -9,7 +9,7 @@ recommendation for the budget) and whether the point's scheme has the format,
 with the standard library only where the store is a local SQLite file, so that
 bad input fails in one line within a second or two, before torch, MLflow or the
 model load. The work itself (rebuild, write, round trip) is
-:mod:`quantlab.export.run`.
+:mod:`quantlab.export_run`.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import logging
 import sys
 from pathlib import Path
 
-from quantlab.tracking_config import default_tracking_uri
 from quantlab.errors import UserError
 from quantlab.export.formats import FORMATS
 from quantlab.point import (REUSED_FROM_TAG, SCHEME_TAG, exportable_tag, find_sweep, post_hoc_tag, recommended_budgets,
                             recommended_tags)
 from quantlab.store_read import Store, open_store
+from quantlab.tracking_config import default_tracking_uri
 
 
 def resolve(store: Store, run: str | None, sweep: str | None, budget: float, fmt: str) -> str:
@@ -110,7 +110,7 @@ def export(out: Path, *, run: str | None = None, sweep: str | None = None, budge
     run_id = resolve(open_store(uri, experiment), run, sweep, budget, fmt)
     from quantlab import tracking
     from quantlab.tracking_config import TrackingConfig
-    from quantlab.export import run as work
+    from quantlab import export_run as work
 
     source = tracking.connect(TrackingConfig(uri=uri, experiment=experiment, artifact_root=None)).run(run_id)
     if fmt == "gguf":
