@@ -87,6 +87,13 @@ def test_bad_float_dtype_is_rejected():
     (["scheme/weights=mixed", "scheme.weights.recipe=RECIPE"], "bad.yaml: not valid YAML at line 3"),
     (["probe=full", "probe.adaptive=true"],  # the one switch reaches a task it cannot score
      "(or probe.adaptive=true): lambada_openai_local, wikitext2_local cannot be scored adaptively"),
+    # the calibrated schemes' shared fields, one rule each (GPTQ's once carried none: a typo ran to the point)
+    (["scheme/weights=gptq-g64", "scheme.weights.calibration=wkii"], "gptq calibration 'wkii'; valid: builtin, c4, wiki"),
+    (["scheme/weights=gptq-g64", "scheme.weights.n_samples=0"], "gptq n_samples 0; valid: >= 1"),
+    (["scheme/weights=awq-g32", "scheme.weights.seq_len=1"], "awq seq_len 1; valid: >= 2"),
+    (["scheme/weights=int8", "scheme.weights.compute_dtype=fp8"],
+     "int8 compute_dtype 'fp8'; valid: bfloat16, float16, float32"),
+    (["eval_seed=-1"], "eval_seed=-1: must be >= 0"),
 ])
 def test_bad_values_fail_in_one_line_before_anything_runs(tmp_path, args, message):
     """Compose-time validation: one line naming the field, exit 2, no run

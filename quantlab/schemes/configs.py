@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from quantlab import resources
 from quantlab.schemes.base import KVScheme, WeightScheme
 
 DEFAULT_SKIP = ["lm_head"]  # Linear layers no scheme quantizes unless told (fnmatch patterns)
@@ -28,6 +29,34 @@ BNB4_QUANT_TYPES = ("nf4", "fp4")
 HQQ_BITS = (4, 8)
 AWQ_GRID = 20  # alpha in {0, 1/AWQ_GRID, ..., 1}
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+CALIBRATION_SETS = tuple(sorted(p.stem for p in resources.data_dir("calibration").glob("*.yaml")))
+
+
+# The fields every quantizing scheme shares, each with its rule in one place (a scheme's own default beside it).
+def dtype_field(default: str = "bfloat16") -> Any:
+    """The dtype a quantized Linear computes in: activations, dequantized weights."""
+    return field(default=default, metadata={"choices": COMPUTE_DTYPES})
+
+
+def skip_field() -> Any:
+    """The Linear layers left unquantized (fnmatch patterns; default: the LM head)."""
+    return field(default_factory=lambda: list(DEFAULT_SKIP))
+
+
+def calibration_field() -> Any:
+    """The calibration set (a spec under ``calibration/``), checked at launch."""
+    return field(default="wiki", metadata={"choices": CALIBRATION_SETS})
+
+
+def samples_field(default: int) -> Any:
+    """How many calibration windows."""
+    return field(default=default, metadata={"min": 1})
+
+
+def seq_len_field(default: int) -> Any:
+    """Tokens per calibration window (at least 2: a window predicts its next token)."""
+    return field(default=default, metadata={"min": 2})
 
 # mixed recipes: a candidate per layer
 KEEP = "bf16"
@@ -94,8 +123,8 @@ class FloatScheme(WeightScheme):
 class Int8Scheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.int8"
     LABEL: ClassVar[str] = "int8"
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         return "int8"
@@ -107,8 +136,8 @@ class Int4Scheme(WeightScheme):
     LABEL: ClassVar[str] = "int4"
     group_size: int = field(default=64, metadata={"choices": GROUP_SIZES})
     symmetric: bool = False
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         return f"int4-g{self.group_size}{'-sym' if self.symmetric else ''}"
@@ -121,8 +150,8 @@ class FP8Scheme(WeightScheme):
     format: str = field(default="e4m3", metadata={"choices": FP8_FORMATS})
     # none: weight-only; dynamic: W8A8, per-token scales
     activations: str = field(default="none", metadata={"choices": FP8_ACTIVATIONS})
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         """The preset's name: ``fp8-e4m3``, ``fp8-e5m2``, ``fp8-w8a8`` (E4M3 W8A8)."""
@@ -137,8 +166,8 @@ class BnB4Scheme(WeightScheme):
     LABEL: ClassVar[str] = "bnb"
     quant_type: str = field(default="nf4", metadata={"choices": BNB4_QUANT_TYPES})
     block_size: int = 64
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         return self.quant_type if self.block_size == 64 else f"{self.quant_type}-b{self.block_size}"
@@ -153,11 +182,11 @@ class GPTQScheme(WeightScheme):
     symmetric: bool = False
     act_order: bool = False
     damp: float = 0.01
-    calibration: str = "wiki"
-    n_samples: int = 64
-    seq_len: int = 512
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    calibration: str = calibration_field()
+    n_samples: int = samples_field(64)
+    seq_len: int = seq_len_field(512)
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         """The preset's name (``gptq-g64``); other bit widths carry theirs (``gptq3-g64``)."""
@@ -173,11 +202,11 @@ class AWQScheme(WeightScheme):
     symmetric: bool = False
     # alpha in {0, 1/grid, ..., 1}; alpha = 0 is plain RTN
     grid: int = field(default=AWQ_GRID, metadata={"min": 0, "note": "0: plain round-to-nearest"})
-    calibration: str = "wiki"
-    n_samples: int = 16
-    seq_len: int = 512
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    calibration: str = calibration_field()
+    n_samples: int = samples_field(16)
+    seq_len: int = seq_len_field(512)
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         return f"awq-g{self.group_size}{'-sym' if self.symmetric else ''}"
@@ -189,8 +218,8 @@ class HQQScheme(WeightScheme):
     LABEL: ClassVar[str] = "hqq"
     nbits: int = field(default=4, metadata={"choices": HQQ_BITS})
     group_size: int = field(default=64, metadata={"choices": GROUP_SIZES})
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         return f"hqq{self.nbits}-g{self.group_size}"
@@ -208,11 +237,11 @@ class W8A8Scheme(WeightScheme):
     # > 0: online block-Hadamard of this size (a power of two) on down_proj's input
     rotate_down: int = field(default=0, metadata={"rule": (lambda n: n >= 0 and not n & (n - 1),
                                                            "0 (none) or a power of two")})
-    calibration: str = "wiki"
-    n_samples: int = 16
-    seq_len: int = 512
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    calibration: str = calibration_field()
+    n_samples: int = samples_field(16)
+    seq_len: int = seq_len_field(512)
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         """``w8a8``, ``w8a8-sq`` (the preset's alpha 0.5), ``w8a8-sq-a0.75`` (any
@@ -236,11 +265,11 @@ class MixedScheme(WeightScheme):
     default: str = "int4-g64"
     layers: dict[str, str] = field(default_factory=dict)
     awq: bool = False  # search and fold AWQ scales for the recipe's candidates first
-    calibration: str = "wiki"  # for awq
-    n_samples: int = 16
-    seq_len: int = 512
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    calibration: str = calibration_field()  # for awq
+    n_samples: int = samples_field(16)
+    seq_len: int = seq_len_field(512)
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def __post_init__(self) -> None:
         if self.recipe:
@@ -270,11 +299,11 @@ class NVFP4Scheme(WeightScheme):
     activations: str = field(default="nvfp4", metadata={"choices": ("nvfp4", "none")})
     gptq: bool = False
     damp: float = field(default=0.01, metadata={"above": 0})
-    calibration: str = "wiki"  # for the activations' global scales and for GPTQ's Hessians
-    n_samples: int = field(default=16, metadata={"min": 1})
-    seq_len: int = field(default=512, metadata={"min": 2})
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    calibration: str = calibration_field()  # for the activations' global scales and for GPTQ's Hessians
+    n_samples: int = samples_field(16)
+    seq_len: int = seq_len_field(512)
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         return f"nvfp4{'' if self.activations == 'nvfp4' else '-a16'}{'-gptq' if self.gptq else ''}"
@@ -296,11 +325,11 @@ class MXScheme(WeightScheme):
     activations: str = field(default="mx", metadata={"choices": ("mx", "none")})
     gptq: bool = False
     damp: float = field(default=0.01, metadata={"above": 0})
-    calibration: str = "wiki"  # for GPTQ
-    n_samples: int = field(default=64, metadata={"min": 1})
-    seq_len: int = field(default=512, metadata={"min": 2})
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    calibration: str = calibration_field()  # for GPTQ
+    n_samples: int = samples_field(64)
+    seq_len: int = seq_len_field(512)
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         return f"mx{self.elem}{'' if self.activations == 'mx' else '-a16'}{'-gptq' if self.gptq else ''}"
@@ -318,8 +347,8 @@ class FP8BlockScheme(WeightScheme):
     LABEL: ClassVar[str] = "fp8-block"
     block: int = field(default=128, metadata={"choices": (64, 128)})
     activations: str = field(default="dynamic", metadata={"choices": FP8_ACTIVATIONS})
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         size = "" if self.block == 128 else str(self.block)
@@ -333,8 +362,8 @@ class W4A8Scheme(WeightScheme):
     HANDLER: ClassVar[str] = "quantlab.schemes.w4a8"
     LABEL: ClassVar[str] = "w4a8"
     group_size: int = field(default=128, metadata={"choices": GROUP_SIZES})
-    compute_dtype: str = "bfloat16"
-    skip: list[str] = field(default_factory=lambda: list(DEFAULT_SKIP))
+    compute_dtype: str = dtype_field()
+    skip: list[str] = skip_field()
 
     def short_name(self) -> str:
         return f"w4a8-g{self.group_size}"
@@ -362,9 +391,9 @@ class LlamaQuantScheme(WeightScheme):
     LABEL: ClassVar[str] = "gguf"
     quant: str = field(default="Q4_K_M", metadata={"choices": LLAMA_QUANTS})
     imatrix: bool = False
-    calibration: str = "wiki"
-    n_samples: int = field(default=32, metadata={"min": 1})
-    seq_len: int = field(default=512, metadata={"min": 2})
+    calibration: str = calibration_field()
+    n_samples: int = samples_field(32)
+    seq_len: int = seq_len_field(512)
     source_dtype: str = field(default="float16", metadata={"choices": SOURCE_DTYPES})
 
     def check(self, path: str) -> None:
@@ -445,9 +474,9 @@ class Int8KV(KVScheme):
     # static: per head from the prefill; dynamic: per head and token; calibrated: per head from
     # ``n_samples`` windows of ``seq_len`` tokens of the calibration set, fixed before any request
     scales: str = field(default="static", metadata={"choices": ("static", "dynamic", "calibrated")})
-    calibration: str = "wiki"
-    n_samples: int = field(default=16, metadata={"min": 1})
-    seq_len: int = field(default=512, metadata={"min": 2})
+    calibration: str = calibration_field()
+    n_samples: int = samples_field(16)
+    seq_len: int = seq_len_field(512)
 
     def short_name(self) -> str:
         return {"static": "kv8", "dynamic": "kv8-dyn", "calibrated": "kv8-cal"}[self.scales]
@@ -475,9 +504,9 @@ class FP8KV(KVScheme):
     # per tensor from the calibration set (llm-compressor's and vLLM's k_scale / v_scale), fixed;
     # calibrated-head: one per KV head from the calibration set (compressed-tensors' attn_head strategy)
     scales: str = field(default="prefill", metadata={"choices": ("prefill", "calibrated", "calibrated-head")})
-    calibration: str = "wiki"
-    n_samples: int = field(default=16, metadata={"min": 1})
-    seq_len: int = field(default=512, metadata={"min": 2})
+    calibration: str = calibration_field()
+    n_samples: int = samples_field(16)
+    seq_len: int = seq_len_field(512)
 
     def short_name(self) -> str:
         return {"prefill": "kvfp8", "calibrated": "kvfp8-cal", "calibrated-head": "kvfp8-head"}[self.scales]
