@@ -58,17 +58,14 @@ def sweep(name: str, args, uri: str, root: str, adaptive: bool) -> float:
 def summary(tracker: tracking.Tracker, name: str, tasks: list[str]):
     """The sweep's perplexity metric, its real points per decision metric, and
     per point the windows and documents (per task) it scored and why it stopped."""
-    runs, reused = tracker.sweep_runs(tracker.find_sweep(name))
-    runs += reused
-    base = report.table.baseline_run(runs)
-    items = {r.info.run_id: tracker.items(tracking.origin(r)) for r in runs if tracking.done(r)}
+    runs, _, _, base, items = report.sweep_data(tracker, tracker.find_sweep(name))
     metric = report.metric.decision_metric(runs)
     pts = {m: report.metric.points(runs, m, "lat/tpot_ms_p50", base, items)
            for m in [metric, *(f"acc_norm/{t}" for t in tasks)]}
-    scored = {r.info.run_name: (int(r.data.metrics.get(f"{metric}_windows", 0)),
-                                {t: len(items.get(r.info.run_id, {}).get(f"acc/{t}", [])) for t in tasks},
-                                "; ".join(r.data.tags[k] for k in (point.PPL_STOP_TAG, point.ACC_STOP_TAG)
-                                          if k in r.data.tags) or "fixed design") for r in runs}
+    scored = {r.name: (int(r.metrics.get(f"{metric}_windows", 0)),
+                                {t: len(items.get(r.id, {}).get(f"acc/{t}", [])) for t in tasks},
+                                "; ".join(r.tags[k] for k in (point.PPL_STOP_TAG, point.ACC_STOP_TAG)
+                                          if k in r.tags) or "fixed design") for r in runs}
     return metric, pts, scored
 
 

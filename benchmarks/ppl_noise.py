@@ -63,20 +63,20 @@ def main() -> int:
     tracker = tracking.connect(TrackingConfig(uri=f"sqlite:///{args.store}/mlflow.db", artifact_root=None))
     runs, reused, _, base, items = report.sweep_data(tracker, tracker.find_sweep(args.sweep))
     metric = report.metric.decision_metric(runs)
-    windows = int(base.data.metrics[f"{metric}_windows"])
-    ref = np.asarray(items[base.info.run_id][metric]).reshape(windows, -1)
+    windows = int(base.metrics[f"{metric}_windows"])
+    ref = np.asarray(items[base.id][metric]).reshape(windows, -1)
     print(f"sweep {args.sweep}: {metric}, {windows} windows of {ref.shape[1] + 1} tokens, baseline "
-          f"{base.info.run_name}\n")
+          f"{base.name}\n")
     print("| point | loss | sigma | rho | tau | window se / iid se |\n|---|---|---|---|---|---|")
     measured = []
     for r in runs:
-        if r.info.run_id == base.info.run_id or metric not in items.get(r.info.run_id, {}):
+        if r.id == base.id or metric not in items.get(r.id, {}):
             continue
-        d = np.asarray(items[r.info.run_id][metric]).reshape(windows, -1) - ref
+        d = np.asarray(items[r.id][metric]).reshape(windows, -1) - ref
         nz = noise(d)
-        measured.append((r.info.run_name, nz))
+        measured.append((r.name, nz))
         loss = 1 - math.exp(-d.mean())
-        print(f"| {r.info.run_name} | {loss:.4f} | {nz['sigma']:.3f} | {nz['rho']:.3f} | {nz['tau']:.4f} | "
+        print(f"| {r.name} | {loss:.4f} | {nz['sigma']:.3f} | {nz['rho']:.3f} | {nz['tau']:.4f} | "
               f"{nz['se_ratio']:.2f} |")
     print(f"\nEach point's noise, simulated: design fixed16 (16 x 128), {args.trials} trials a cell, true loss "
           "at the budget, 1.5x it and half of it\n")

@@ -28,29 +28,29 @@ def main() -> None:
     args = ap.parse_args()
     uri = f"sqlite:///{args.store}/mlflow.db"
     tracker = tracking.connect(TrackingConfig(uri=uri, artifact_root=f"{args.store}/artifacts"))
-    runs, reused = tracker.sweep_runs(tracker.find_sweep(args.sweep))
-    runs = [r for r in runs + reused if tracking.done(r)]
+    runs, _, _, _, _ = report.sweep_data(tracker, tracker.find_sweep(args.sweep))
+    runs = [r for r in runs if r.done]
     base = report.table.baseline_run(runs)
     metric = report.metric.decision_metric(runs)
     if not metric.startswith("ppl_token_"):
         raise SystemExit(f"sweep {args.sweep} has no token perplexity (decision metric {metric})")
-    windows = int(base.data.metrics[f"{metric}_windows"])
-    ref = np.asarray(tracker.items(tracking.origin(base))[metric])
+    windows = int(base.metrics[f"{metric}_windows"])
+    ref = np.asarray(tracker.items(base.origin)[metric])
     per = ref.size // windows
-    print(f"{metric}: {windows} windows of {per} predicted tokens; baseline {base.info.run_name}")
+    print(f"{metric}: {windows} windows of {per} predicted tokens; baseline {base.name}")
     print(f"{'point':22} {'ln PPL ratio':>12} {'se blocks':>10} {'se windows':>11} {'ratio':>6}")
     ratios = []
     for r in runs:
-        if r.info.run_id == base.info.run_id:
+        if r.id == base.id:
             continue
-        nll = np.asarray(tracker.items(tracking.origin(r)).get(metric, []))
+        nll = np.asarray(tracker.items(r.origin).get(metric, []))
         if nll.size != ref.size:
             continue
         d = nll - ref
         se_b, blocks = block_stderr(d)
         se_w = mean_stderr(d.reshape(windows, per).mean(axis=1))
         ratios.append(se_w / se_b)
-        print(f"{r.info.run_name:22} {d.mean():12.5f} {se_b:10.5f} {se_w:11.5f} {se_w / se_b:6.2f}  "
+        print(f"{r.name:22} {d.mean():12.5f} {se_b:10.5f} {se_w:11.5f} {se_w / se_b:6.2f}  "
               f"({blocks} blocks)")
     if ratios:
         print(f"window se / block se: geometric mean {math.exp(np.mean(np.log(ratios))):.2f} over "

@@ -74,21 +74,22 @@ def results(sweep: str = "latest", *, tracking_uri: str | None = None, experimen
     budgets = tuple(said.budgets) if said else report.verdict.DEFAULT_BUDGETS
     latency = report.verdict.latency_half(tracker, parent, tags, said, said.halves()[1] if said else 0.0)
     metric = report.metric.decision_metric(runs, metric or (said.metric if said else "auto"), base, items, budgets,
-                                    said.halves()[0] if said else ALPHA)
+                                           said.halves()[0] if said else ALPHA)
+    again = {r.id for r in reused}
     rows = []
     for r in runs:
-        is_base = base is not None and r.info.run_id == base.info.run_id
+        is_base = base is not None and r.id == base.id
         lo = report.metric.run_loss(r, metric, base, items)
         bounded = lo is not None and lo.bounded
         rows.append({
-            "point": r.info.run_name, "run_id": r.info.run_id, "measured_by": tracking.origin(r),
-            "outcome": "reused" if r in reused else r.data.tags.get(point.OUTCOME_TAG, r.info.status.lower()),
-            "baseline": is_base, "emulated": r.data.tags.get(point.EMULATED_TAG) == "true",
-            "contended": point.CONTENDED_TAG in r.data.tags, "decision_metric": metric,
+            "point": r.name, "run_id": r.id, "measured_by": r.origin,
+            "outcome": "reused" if r.id in again else r.tags.get(point.OUTCOME_TAG, r.status.lower()),
+            "baseline": is_base, "emulated": r.tags.get(point.EMULATED_TAG) == "true",
+            "contended": point.CONTENDED_TAG in r.tags, "decision_metric": metric,
             "loss": lo.value if lo is not None else math.nan, "loss_upper": lo.upper if bounded else math.nan,
             "bound_method": lo.bound.method if lo is not None else "", "bound": lo.bound if bounded else None,
-            **dict(r.data.metrics),
-            **{f"tag.{k}": v for k, v in r.data.tags.items() if not k.startswith("mlflow.")},
+            **dict(r.metrics),
+            **{f"tag.{k}": v for k, v in r.tags.items() if not k.startswith("mlflow.")},
         })
     frame = pandas.DataFrame(rows, columns=None if rows else list(FIRST))
     frame.attrs.update(sweep=tags.get(point.SWEEP_TAG, sweep), parent_run_id=parent, tracking_uri=uri,

@@ -52,7 +52,7 @@ def after_sweep(tracker: tracking.Tracker, parent_id: str) -> Retimed | None:
         return None
     recs = report.verdict.loss_half(runs, base, items, decision)
     names = candidates(recs, decision.retime_points)
-    by_name = {r.info.run_name: r for r in runs}
+    by_name = {r.name: r for r in runs}
     why = "the pick is by capacity under load (a serving sweep), which is not re-timed" \
         if report.verdict.objective(runs) == "capacity" else _cannot(names, by_name)
     if why:
@@ -78,10 +78,10 @@ def _cannot(names: list[str], by_name: dict) -> str:
     """Why these candidates are not re-timed; '' when they can be."""
     if len(names) < 2:
         return f"{len(names)} point{'s' if len(names) != 1 else ''} qualified: nothing to separate"
-    held = [n for n in names if by_name[n].data.tags.get("target", "") in ONE_ENGINE]
+    held = [n for n in names if by_name[n].tags.get("target", "") in ONE_ENGINE]
     if held:
         return f"{', '.join(held)}: their target holds one engine at a time"
-    need = sum(by_name[n].data.metrics.get("size/weight_mb", 0.0) for n in names) * 2**20 * MEMORY_HEADROOM
+    need = sum(by_name[n].metrics.get("size/weight_mb", 0.0) for n in names) * 2**20 * MEMORY_HEADROOM
     available = psutil.virtual_memory().available
     if need > available:
         return f"their engines need about {need / 2**30:.1f} GiB at once, {available / 2**30:.1f} GiB is available"
@@ -94,12 +94,12 @@ def measure(tracker: tracking.Tracker, runs: list, rounds: int) -> Retimed:
     with contextlib.ExitStack() as stack:
         built = []
         for r in runs:
-            source = tracker.run(tracking.origin(r))
+            source = tracker.run(r.origin)
             cfg = run_config(source)
             state = source.get().data.tags.get(quantized_state.TAG)
             engine, _model, tok, _target = stack.enter_context(
-                pipeline.built(cfg, r.info.run_name, Measurement(), state=state))
-            built.append((r.info.run_name, engine, tok, cfg.probe.latency))
+                pipeline.built(cfg, r.name, Measurement(), state=state))
+            built.append((r.name, engine, tok, cfg.probe.latency))
         return interleave(built, rounds)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from quantlab import tracking
 from quantlab.measurement import weight_bytes_read
 
 _CELL = re.compile(r"^cell/b1_p(\d+)/(ttft_ms_p50|tpot_ms_p50|kv_mb)$")
@@ -39,12 +38,12 @@ def rows(runs) -> list[dict]:
     """One row per finished point with a decode timing, smallest model first."""
     out = []
     for r in runs:
-        m = r.data.metrics
-        if not tracking.done(r) or "lat/tpot_ms_p50" not in m or "size/weight_bytes" not in m:
+        m = r.metrics
+        if not r.done or "lat/tpot_ms_p50" not in m or "size/weight_bytes" not in m:
             continue
-        out.append({"name": r.info.run_name, "model": r.data.tags.get("model", "?"),
-                    "scheme": r.data.tags.get("scheme", "?"), "engine": r.data.tags.get("target.variant", "?"),
-                    "emulated": r.data.tags.get("emulated") == "true", "gb": weight_bytes_read(m) / 1e9,
+        out.append({"name": r.name, "model": r.tags.get("model", "?"),
+                    "scheme": r.tags.get("scheme", "?"), "engine": r.tags.get("target.variant", "?"),
+                    "emulated": r.tags.get("emulated") == "true", "gb": weight_bytes_read(m) / 1e9,
                     "params": m.get("size/params", 0.0), "tpot": m["lat/tpot_ms_p50"],
                     "gbs": m.get("bw/achieved_gb_s"), "util": m.get("bw/util"), "peak": m.get("bw/peak_gb_s"),
                     "overhead": m.get("bw/overhead_ms"), "rss": m.get("mem/peak_rss_mb"), "ttft": by_prompt(m),

@@ -17,7 +17,7 @@ from quantlab.probes import knee, load
 
 
 def _rows(tracker: tracking.Tracker, run) -> list[dict]:
-    path = tracker.download(tracking.origin(run), "load.csv")
+    path = tracker.download(run.origin, "load.csv")
     return load.read_csv(path.read_text()) if path is not None else []
 
 
@@ -39,29 +39,29 @@ def engine_table(runs) -> str:
     Emulated points (not the scheme's kernels) never win; a winner whose
     lower bound does not clear the runner-up's knee is "ahead, not
     separated"; a contended figure (``†``) is said to be one."""
-    done = [r for r in runs if tracking.done(r) and "load/knee_rps_lower" in r.data.metrics]
-    engine = lambda r: r.data.tags.get("target.variant") or r.data.tags.get("target", "?")  # noqa: E731
+    done = [r for r in runs if r.done and "load/knee_rps_lower" in r.metrics]
+    engine = lambda r: r.tags.get("target.variant") or r.tags.get("target", "?")  # noqa: E731
     if len({engine(r) for r in done}) < 2:
         return ""
     rows = []
-    for scheme in sorted({r.data.tags.get(point.SCHEME_TAG, "?") for r in done}):
-        group = sorted((r for r in done if r.data.tags.get(point.SCHEME_TAG, "?") == scheme),
-                       key=lambda r: -r.data.metrics["load/knee_rps_lower"])
-        cells = [f"{engine(r)} {_fmt(r.data.metrics.get('load/knee_rps'))} "
-                 f"(>= {_fmt(r.data.metrics['load/knee_rps_lower'])})"
-                 + ("†" if point.CONTENDED_TAG in r.data.tags else "")
-                 + (" emulated" if r.data.tags.get(point.EMULATED_TAG) == "true" else "") for r in group]
-        real = [r for r in group if r.data.tags.get(point.EMULATED_TAG) != "true"]
-        if not real or real[0].data.metrics["load/knee_rps_lower"] <= 0:
+    for scheme in sorted({r.tags.get(point.SCHEME_TAG, "?") for r in done}):
+        group = sorted((r for r in done if r.tags.get(point.SCHEME_TAG, "?") == scheme),
+                       key=lambda r: -r.metrics["load/knee_rps_lower"])
+        cells = [f"{engine(r)} {_fmt(r.metrics.get('load/knee_rps'))} "
+                 f"(>= {_fmt(r.metrics['load/knee_rps_lower'])})"
+                 + ("†" if point.CONTENDED_TAG in r.tags else "")
+                 + (" emulated" if r.tags.get(point.EMULATED_TAG) == "true" else "") for r in group]
+        real = [r for r in group if r.tags.get(point.EMULATED_TAG) != "true"]
+        if not real or real[0].metrics["load/knee_rps_lower"] <= 0:
             verdict = "none met the SLOs" if real else "no real kernel"
         elif len(real) == 1:
             verdict = f"{engine(real[0])} (the only engine that ran it for real)"
         else:
-            top, second = real[0].data.metrics, real[1].data.metrics
+            top, second = real[0].metrics, real[1].metrics
             verdict = f"**{engine(real[0])}**" + ("" if top["load/knee_rps_lower"] > second.get("load/knee_rps", 0.0)
                                                  else f", ahead of {engine(real[1])} but not separated (its lower "
                                                       f"bound is under {engine(real[1])}'s knee)")
-        if any(point.CONTENDED_TAG in r.data.tags for r in real[:2]):
+        if any(point.CONTENDED_TAG in r.tags for r in real[:2]):
             verdict += "; a figure was timed beside other work (†): re-time before trusting the order"
         rows.append([scheme, "; ".join(cells), verdict])
     return "\n\n".join(["### 5. Engines at each precision", _md(
@@ -74,22 +74,22 @@ def engine_table(runs) -> str:
 def section(tracker: tracking.Tracker, runs, out: Path, title: str) -> tuple[str, list[str]]:
     """Markdown of the section ('' when no run has a load table) and the plot
     files written into ``out``."""
-    tables = {r.info.run_name: _rows(tracker, r) for r in runs if tracking.done(r)}
+    tables = {r.name: _rows(tracker, r) for r in runs if r.done}
     tables = {k: v for k, v in tables.items() if v}
-    by_name = {r.info.run_name: r for r in runs}
-    kv_runs = [r for r in runs if "load/kv_capacity_seqs" in r.data.metrics]
+    by_name = {r.name: r for r in runs}
+    kv_runs = [r for r in runs if "load/kv_capacity_seqs" in r.metrics]
     if not tables and not kv_runs:
         return "", []
     parts = ["## Serving (load probe)"]
-    skipped = [f"- {r.info.run_name}: {k.split('.')[1]} skipped: {v}" for r in runs
-               for k, v in sorted(r.data.tags.items()) if k.startswith("load.") and k.endswith(".skipped")]
+    skipped = [f"- {r.name}: {k.split('.')[1]} skipped: {v}" for r in runs
+               for k, v in sorted(r.tags.items()) if k.startswith("load.") and k.endswith(".skipped")]
     if tables:
         head = ["point", "policy", "capacity req/s (burst)", "knee req/s (achieved)",
                 f"knee {uncertainty.LEVEL:.0%} lower bound", "SLO percentile", "first rate that failed",
                 "max achieved req/s", "max goodput req/s", "arrivals late P99 ms: idle / under load"]
         rows = []
         for name, tab in tables.items():
-            m, tags = by_name[name].data.metrics, by_name[name].data.tags
+            m, tags = by_name[name].metrics, by_name[name].tags
             for policy in dict.fromkeys(r["policy"] for r in tab):
                 q = m.get(f"load/{policy}/knee_percentile")
                 rows.append([name, policy, _fmt(m.get(f"load/{policy}/capacity_rps")),
@@ -121,12 +121,12 @@ def section(tracker: tracking.Tracker, runs, out: Path, title: str) -> tuple[str
     if kv_runs:
         head = ["point", "KV cache", "MiB per sequence", "sequences in budget", "timed batch", "decode tok/s",
                 "step p50 ms", "step p99 ms"]
-        rows = [[r.info.run_name, r.data.tags.get("backend.kv", "-"), _fmt(r.data.metrics["load/kv_seq_mb"]),
-                 _fmt(r.data.metrics["load/kv_capacity_seqs"], "{:.0f}"),
-                 _fmt(r.data.metrics["load/kv_batch"], "{:.0f}"), _fmt(r.data.metrics["load/kv_decode_tok_s"], "{:.1f}"),
-                 _fmt(r.data.metrics["load/kv_step_ms_p50"], "{:.1f}"),
-                 _fmt(r.data.metrics["load/kv_step_ms_p99"], "{:.1f}")] for r in kv_runs]
-        m0 = kv_runs[0].data.metrics
+        rows = [[r.name, r.tags.get("backend.kv", "-"), _fmt(r.metrics["load/kv_seq_mb"]),
+                 _fmt(r.metrics["load/kv_capacity_seqs"], "{:.0f}"),
+                 _fmt(r.metrics["load/kv_batch"], "{:.0f}"), _fmt(r.metrics["load/kv_decode_tok_s"], "{:.1f}"),
+                 _fmt(r.metrics["load/kv_step_ms_p50"], "{:.1f}"),
+                 _fmt(r.metrics["load/kv_step_ms_p99"], "{:.1f}")] for r in kv_runs]
+        m0 = kv_runs[0].metrics
         parts += [f"### 3. KV capacity in {m0['load/kv_budget_mb']:g} MiB at {m0['load/kv_context']:.0f} tokens",
                   _md(head, rows), "Sequences found by filling the point's own cache class and reading its bytes "
                   "back (residual full-precision windows included); the timed batch decodes after a prompt of "
@@ -135,7 +135,7 @@ def section(tracker: tracking.Tracker, runs, out: Path, title: str) -> tuple[str
         head = ["point", "policy", "offered", "achieved", "GB/s", "% of peak", "within knee"]
         rows = []
         for name, tab in tables.items():
-            m, tags = by_name[name].data.metrics, by_name[name].data.tags
+            m, tags = by_name[name].metrics, by_name[name].tags
             policy = tags.get("load.knee_policy") or tab[0]["policy"]
             k = m.get(f"load/{policy}/knee_rps", 0.0)
             rows += [[name, policy, _fmt(r["offered_rps"]), _fmt(r["achieved_rps"]), _fmt(r["bw_gb_s"]),
@@ -151,11 +151,11 @@ def section(tracker: tracking.Tracker, runs, out: Path, title: str) -> tuple[str
     if tables:
         series = {}
         for name, tab in tables.items():
-            policy = by_name[name].data.tags.get("load.knee_policy") or tab[0]["policy"]
+            policy = by_name[name].tags.get("load.knee_policy") or tab[0]["policy"]
             series[f"{name} / {policy}"] = [r for r in tab if r["policy"] == policy]
         any_run = next(iter(by_name.values()))
-        slo = {"ttft_ms": any_run.data.metrics.get("load/slo_ttft_ms"),
-               "tpot_ms": any_run.data.metrics.get("load/slo_tpot_ms")}
+        slo = {"ttft_ms": any_run.metrics.get("load/slo_ttft_ms"),
+               "tpot_ms": any_run.metrics.get("load/slo_tpot_ms")}
         plots.load_png(series, out / "load.png", title, slo)
         plots.load_html(series, out / "load.html", title)
         files = ["load.png", "load.html"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from quantlab import capabilities, point, report, retiming, tracking
+from quantlab import capabilities, point, records, report, retiming, tracking
 from quantlab.config import DecisionConfig
 from quantlab.tracking_config import TrackingConfig
 from quantlab.digest import write_atomic
@@ -127,16 +127,17 @@ def _log_recovery(tracker: tracking.Tracker, parent: str, runs, reused, choice: 
     """Log ``recovery/*`` on this sweep's own finished points against its
     baseline (which may be a reused point). Reused runs keep the recovery of the
     sweep that ran them: the report computes its own against this baseline."""
-    base = report.table.baseline_run(runs + reused, choice)
+    own = [records.of(r) for r in runs]
+    base = report.table.baseline_run(own + [records.of(r) for r in reused], choice)
     if base is None:
         log.warning("no baseline point %r finished: recovery not computed", choice)
         return
-    tracker.run(parent).set_tags({point.BASELINE_TAG: base.info.run_name})
-    for r in runs:
-        if r.data.tags.get(point.OUTCOME_TAG) == "finished":
-            rec = report.table.recovery(r.data.metrics, base.data.metrics)
+    tracker.run(parent).set_tags({point.BASELINE_TAG: base.name})
+    for r in own:
+        if r.tags.get(point.OUTCOME_TAG) == "finished":
+            rec = report.table.recovery(r.metrics, base.metrics)
             if rec:
-                tracker.run(r.info.run_id).log_metrics(rec)
+                tracker.run(r.id).log_metrics(rec)
 
 
 def _log_capabilities(parent: tracking.Run) -> None:

@@ -31,16 +31,16 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.time import get_current_time_millis
 
 from quantlab import tracking_server
-from quantlab.tracking_config import TrackingConfig
 from quantlab.errors import UserError
 from quantlab.point import (CREATE_KEY_TAG, HASH_TAG, HOST_ID_TAG, HOST_TAG, OUTCOME_TAG, PARENT_TAG, PID_START_TAG,
                             PID_TAG, REASON_TAG, REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SWEEP_TAG, find_sweep,
                             recommended_point_tag)
+from quantlab.records import DONE  # outcomes whose metrics count
+from quantlab.tracking_config import TrackingConfig
 
 log = logging.getLogger("quantlab")
 T = TypeVar("T")
 
-DONE = ("finished", "reused")  # outcomes whose metrics count
 ITEMS_ARTIFACT = "items.json"
 _BATCH = 100  # MLflow's log_batch limit on params per call
 _LOCKED = ("database is locked", "database table is locked")

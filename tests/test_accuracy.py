@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +16,7 @@ from quantlab.probes.configs import AccuracyProbeConfig
 from quantlab.engines.pytorch import TorchEngine
 from quantlab.errors import UserError
 from quantlab.probes import accuracy, perplexity
+from quantlab.records import PointRecord
 from tests.conftest import SHARED_DATA, run_cli, tracker
 
 needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="no benchmark data (QUANTLAB_DATA_DIR or ../shared/data)")
@@ -128,9 +128,8 @@ def test_token_perplexity_matches_independent_computation(tiny):
 
 
 def _run(name, bits, metrics, outcome="finished"):
-    return SimpleNamespace(info=SimpleNamespace(run_name=name, run_id=name),
-                           data=SimpleNamespace(metrics={"size/bits_per_weight": bits, **metrics},
-                                                tags={tracking.OUTCOME_TAG: outcome, "scheme": name}))
+    return PointRecord(name, name, metrics={"size/bits_per_weight": bits, **metrics},
+                       tags={tracking.OUTCOME_TAG: outcome, "scheme": name})
 
 
 def test_recovery_orientation_and_baseline():
@@ -138,11 +137,11 @@ def test_recovery_orientation_and_baseline():
             _run("int4", 4.5, {"acc/a": 0.45, "ppl_token_wikitext2_w2048": 12.5}),
             _run("fp32", 32, {"acc/a": 0.5}, outcome="failed")]
     base = report.table.baseline_run(runs)
-    assert base.info.run_name == "bf16"  # fp32 failed: next-highest precision
-    rec = report.table.recovery(runs[1].data.metrics, base.data.metrics)
+    assert base.name == "bf16"  # fp32 failed: next-highest precision
+    rec = report.table.recovery(runs[1].metrics, base.metrics)
     assert rec == {"recovery/acc/a": pytest.approx(0.9),
                    "recovery/ppl_token_wikitext2_w2048": pytest.approx(0.8)}
-    assert report.table.baseline_run(runs, "int4").info.run_name == "int4"
+    assert report.table.baseline_run(runs, "int4").name == "int4"
     assert report.table.baseline_run(runs, "nope") is None
 
 

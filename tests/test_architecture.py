@@ -21,7 +21,7 @@ PKG = Path(__file__).resolve().parent.parent / "quantlab"
 LAYERS = [
     ("base", ["errors", "digest", "point", "divergence", "decode", "stats", "uncertainty", "sequential", "pareto", "measurement",
               "hardware", "contention", "decision", "config", "corpus", "ports", "resources", "plugins", "shapes",
-              "model_files", "metric_names", "artifacts", "retime", "config_check", "tracking_config",
+              "model_files", "metric_names", "artifacts", "retime", "config_check", "tracking_config", "records",
               "probes.configs"]),
     ("data", ["models", "calibration", "tracking", "tracking_server", "store_read", "plots"]),
     ("schemes", ["schemes"]),

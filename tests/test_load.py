@@ -412,12 +412,11 @@ def test_paragraph_prompts_keep_their_own_lengths(tmp_path):
 
 
 def _served(scheme, engine, knee_rps, lower, **tags):
-    from types import SimpleNamespace
+    from quantlab.records import PointRecord
 
-    return SimpleNamespace(info=SimpleNamespace(run_name=f"{scheme}@{engine}", run_id=f"{scheme}@{engine}"),
-                           data=SimpleNamespace(metrics={"load/knee_rps": knee_rps, "load/knee_rps_lower": lower},
-                                                tags={tracking.OUTCOME_TAG: "finished", "scheme": scheme,
-                                                      "target.variant": engine, **tags}))
+    return PointRecord(f"{scheme}@{engine}", f"{scheme}@{engine}",
+                       metrics={"load/knee_rps": knee_rps, "load/knee_rps_lower": lower},
+                       tags={tracking.OUTCOME_TAG: "finished", "scheme": scheme, "target.variant": engine, **tags})
 
 
 def test_the_serving_report_names_the_engine_that_serves_each_precision_best():

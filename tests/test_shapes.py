@@ -191,12 +191,11 @@ def test_shape_points_serve_on_vllm_at_tiny_widths(tmp_path):
 
 
 def _run(name: str, metrics: dict[str, float]):
-    from types import SimpleNamespace
-
     from quantlab import tracking
+    from quantlab.records import PointRecord
+
     tags = {tracking.OUTCOME_TAG: "finished", "model": "m", "scheme": "bf16", "target.variant": "cpu"}
-    return SimpleNamespace(info=SimpleNamespace(run_name=name, run_id=name),
-                           data=SimpleNamespace(metrics=metrics, tags=tags))
+    return PointRecord(name, name, metrics=metrics, tags=tags)
 
 
 def test_cost_by_context_splits_the_tpot_rise_into_cache_bytes_and_the_rest(tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from quantlab import decision, report, tracking, uncertainty
 from quantlab.errors import UserError
 from quantlab.pareto import Point, fastest_within
 from quantlab.probes import fidelity, perplexity
+from quantlab.records import PointRecord
 from quantlab.uncertainty import mcnemar_p, mean_stderr, paired
 
 
@@ -226,9 +226,8 @@ def test_budget_uses_the_pessimistic_bound_and_says_when_it_cannot_tell():
 
 
 def _run(name, bits, metrics, scheme=None):
-    return SimpleNamespace(info=SimpleNamespace(run_name=name, run_id=name),
-                           data=SimpleNamespace(metrics={"size/bits_per_weight": bits, **metrics},
-                                                tags={tracking.OUTCOME_TAG: "finished", "scheme": scheme or name}))
+    return PointRecord(name, name, metrics={"size/bits_per_weight": bits, **metrics},
+                       tags={tracking.OUTCOME_TAG: "finished", "scheme": scheme or name})
 
 
 def test_report_marks_non_significant_differences_and_names_the_rule():
@@ -262,8 +261,8 @@ def test_report_marks_non_significant_differences_and_names_the_rule():
 
 def test_auto_baseline_prefers_bf16_over_fp16_at_equal_bits():
     runs = [_run("fp16@cpu", 16, {}, "fp16"), _run("bf16@cpu", 16, {}, "bf16"), _run("int8@cpu", 8, {}, "int8")]
-    assert report.table.baseline_run(runs).info.run_name == "bf16@cpu"
-    assert report.table.baseline_run(list(reversed(runs))).info.run_name == "bf16@cpu"
+    assert report.table.baseline_run(runs).name == "bf16@cpu"
+    assert report.table.baseline_run(list(reversed(runs))).name == "bf16@cpu"
 
 
 def test_capacity_objective_picks_the_most_requests_under_the_slo_within_budget():
@@ -292,7 +291,7 @@ def test_contended_timings_are_marked_and_the_pick_says_when_it_rests_on_one():
     from quantlab import point
 
     def contended(r):
-        r.data.tags[point.CONTENDED_TAG] = "latency timed beside 1.40 cores of other work (2 cores)"
+        r.tags[point.CONTENDED_TAG] = "latency timed beside 1.40 cores of other work (2 cores)"
         return r
 
     ppl = "ppl_token_wikitext2_w1024"
@@ -310,9 +309,9 @@ def test_contended_timings_are_marked_and_the_pick_says_when_it_rests_on_one():
     assert recs[0.01].point.name == "int8" and [p.name for p in recs[0.01].contended] == ["fp16", "bf16"]
     assert "cannot tell on latency: fp16 (193.00 ms/token†), bf16 (709.00 ms/token†) also qualified" in body
     # a contended winner stays the pick (contention only inflates its cost) and raises no doubt of its own
-    runs[2].data.tags[point.CONTENDED_TAG] = "x"
+    runs[2].tags[point.CONTENDED_TAG] = "x"
     for r in runs[:2]:
-        del r.data.tags[point.CONTENDED_TAG]
+        del r.tags[point.CONTENDED_TAG]
     body, recs = report.verdict.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
     assert recs[0.01].point.name == "int8" and recs[0.01].contended == () and "cannot tell on latency" not in body
 
@@ -333,7 +332,7 @@ def test_the_pick_names_a_loser_whose_requests_overlap_its_own():
     assert recs[0.01].point.name == "int8" and [p.name for p in recs[0.01].close] == ["fp16"]
     assert ("close on latency: fp16 (27.60 ms/token, +7.5%; requests 27.60-27.68) also qualified, and their "
             "requests' TPOTs overlap the pick's (24.77-28.33 ms/token)") in body
-    del runs[2].data.metrics["lat/tpot_ms_req_lo"]  # a point timed by one request: no range, nothing said
+    del runs[2].metrics["lat/tpot_ms_req_lo"]  # a point timed by one request: no range, nothing said
     body, recs = report.verdict.decide(runs, ppl, (0.01,), runs[0], {}, by="tpot")
     assert recs[0.01].close == () and "close on latency" not in body
 
@@ -346,7 +345,7 @@ def test_the_report_says_when_latency_differences_are_the_engines_overhead():
     says nothing."""
     def timed(name, tpot, floor, target="cpu", **tags):
         r = _run(name, 8, {"lat/tpot_ms_p50": tpot, "bw/floor_ms": floor, "bw/overhead_ms": tpot - floor})
-        r.data.tags.update({"target": target, **tags})
+        r.tags.update({"target": target, **tags})
         return r
 
     flat = [timed("bf16", 60.0, 7.0), timed("int8", 59.0, 9.0), timed("int4", 61.0, 2.0)]

@@ -9,7 +9,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from quantlab import metric_names, plots, point, scaling, serving_report, tracking, uncertainty
+from quantlab import metric_names, plots, point, records, scaling, serving_report, tracking, uncertainty
 from quantlab.config import DecisionConfig
 from quantlab.pareto import Recommendation
 from quantlab.report import table
@@ -23,7 +23,7 @@ def next_steps(runs, recs: dict[float, Recommendation], sweep: str, parent_id: s
                logged: bool) -> str:
     """Run ids, the export command of each recommendation, and where the
     report's files went."""
-    lines = ["Runs: " + ", ".join(f"{r.info.run_name} {tracking.origin(r)}" for r in runs if tracking.done(r))]
+    lines = ["Runs: " + ", ".join(f"{r.name} {r.origin}" for r in runs if r.done)]
     for b, rec in recs.items():
         if rec.point is not None:
             lines.append(f"- export the {b:g} pick: `python -m quantlab.export --sweep {sweep} --budget {b:g} "
@@ -35,14 +35,16 @@ def next_steps(runs, recs: dict[float, Recommendation], sweep: str, parent_id: s
 
 def sweep_data(tracker: tracking.Tracker, parent_id: str):
     """``(runs, reused, parent_tags, baseline_run, items)`` of one sweep:
-    its child runs (the runs it reused last, and also in ``reused``), the
+    its child runs as :class:`~quantlab.records.PointRecord` (the runs it
+    reused last, and also in ``reused``), the
     baseline (the one the sweep named, else :func:`baseline_run`) and each
     finished run's per-item scores (read from the run that measured it)."""
-    runs, reused = tracker.sweep_runs(parent_id)
-    runs += reused
-    tags = tracker.get(parent_id).data.tags
-    base = next((r for r in runs if r.info.run_name == tags.get(point.BASELINE_TAG)), None) or table.baseline_run(runs)
-    items = {r.info.run_id: tracker.items(tracking.origin(r)) for r in runs if tracking.done(r)}
+    own, reused = tracker.sweep_runs(parent_id)
+    reused = [records.of(r) for r in reused]
+    runs = [records.of(r) for r in own] + reused
+    tags = tracker.tags(parent_id) or {}
+    base = next((r for r in runs if r.name == tags.get(point.BASELINE_TAG)), None) or table.baseline_run(runs)
+    items = {r.id: tracker.items(r.origin) for r in runs if r.done}
     return runs, reused, tags, base, items
 
 
@@ -68,7 +70,7 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
         late = {b: "; ".join(filter(None, (late.get(b), before))) for b in budgets}
     by = objective(runs, by)
     latency = latency_half(tracker, parent_id, tags, said, split[1])
-    if any(tracking.done(r) and metric in r.data.metrics for r in runs):
+    if any(r.done and metric in r.metrics for r in runs):
         text, recs = decide(runs, metric, budgets, base, items, by, split[0], late, latency)
     else:  # nothing to put on an accuracy axis (model=shape, probe=latency): no pick, no Pareto plot
         text, recs = (f"No point measured {metric}: a latency-only sweep (random weights or probe=latency), so no "
@@ -79,7 +81,7 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
         information_only(runs, metric, base, items, budgets, split[0]) + draws_text(tags) + "\n\n" + text
     sweep = tags.get(point.SWEEP_TAG, "?")
     paired_text = table.paired_table(runs, base, items) if base is not None else ""
-    times = table.time_table(runs, {r.info.run_id for r in reused})
+    times = table.time_table(runs, {r.id for r in reused})
     kv_positions = kv_position_table(runs)
     retrieval = passkey_table(runs)
     out = Path(out_dir or tempfile.mkdtemp(prefix="quantlab-report-"))
@@ -87,7 +89,7 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
     if series := kv_position_series(runs):
         plots.kv_position_png(series, out / "kv_position.png", f"quantlab sweep {sweep}: KV cache error by position")
         kv_positions += "\n\n![KL by position](kv_position.png)"
-    body = (f"# Sweep {sweep} ({parent_id})\n\n{table.table(runs, {r.info.run_id for r in reused}, base, items)}\n\n"
+    body = (f"# Sweep {sweep} ({parent_id})\n\n{table.table(runs, {r.id for r in reused}, base, items)}\n\n"
             + (paired_text + "\n\n" if paired_text else "") + f"{text}\n\n"
             + (kv_positions + "\n\n" if kv_positions else "") + (retrieval + "\n\n" if retrieval else "")
             + (times + "\n\n" if times else "") + next_steps(runs, recs, sweep, parent_id, out, log_to_run) + "\n")
@@ -113,7 +115,7 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
                   *context_files):
             if (out / f).is_file():
                 parent.log_files(out / f)
-        by_name = {r.info.run_name: r.info.run_id for r in runs}
+        by_name = {r.name: r.id for r in runs}
         for p in panels["size/weight_mb"]:  # the loss as a metric: the UI's charts plot it against latency
             child = tracker.run(by_name[p.name])
             child.log_metrics({"decision/loss": p.loss, "decision/loss_upper": p.upper})
@@ -134,9 +136,9 @@ def point_report(tracker: tracking.Tracker, run_id: str, out_dir: Path | None = 
     row of the table and where its time went; no loss and no pick, since
     nothing was measured beside it. ``report.md`` in ``out_dir`` and, with
     ``log_to_run``, on the run."""
-    run = tracker.get(run_id)
+    run = records.of(tracker.get(run_id))
     times = table.time_table([run])
-    body = (f"# Point {run.info.run_name} ({run_id})\n\n"
+    body = (f"# Point {run.name} ({run_id})\n\n"
             "A point run alone: no other point to compare it with, so no loss and no pick. A sweep decides: "
             "`quantlab run -m scheme/weights=bf16,int8,...` or `quantlab run +sweep=NAME`.\n\n"
             f"{table.table([run])}\n\n" + (times + "\n\n" if times else ""))

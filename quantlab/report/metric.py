@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from quantlab import decision, point, tracking, uncertainty
+from quantlab import decision, point, uncertainty
 from quantlab.pareto import Point
 
 
@@ -27,7 +27,7 @@ def auto_metric(runs, choice: str = "auto", base=None, items: dict | None = None
     (:func:`best_case`)."""
     if choice != "auto":
         return decision.base_metric(choice), ""
-    keys = sorted({k for r in runs for k in r.data.metrics if not decision.auxiliary(k)})
+    keys = sorted({k for r in runs for k in r.metrics if not decision.auxiliary(k)})
     order = [k for prefix in ("ppl_token_wikitext2_w", "acc_norm/", "acc/") for k in keys if k.startswith(prefix)]
     order += ["fid/top1_agree"] if "fid/top1_agree" in keys or not order else []
     why = []
@@ -48,7 +48,7 @@ def information_only(runs, metric: str, base, items: dict | None, budgets, alpha
     a verdict is ruled out in the report itself; '' when there are none."""
     if base is None or not budgets:
         return ""
-    keys = sorted({k for r in runs for k in r.data.metrics if not decision.auxiliary(k)} - {metric})
+    keys = sorted({k for r in runs for k in r.metrics if not decision.auxiliary(k)} - {metric})
     weak = [(k, b) for k in keys if k.startswith(("ppl_token_wikitext2_w", "acc_norm/", "acc/", "fid/top1_agree"))
             and (b := best_case(k, base, items, alpha)) > max(budgets)]
     if not weak:
@@ -62,7 +62,7 @@ def best_case(metric: str, base, items: dict | None, alpha: float) -> float:
     """The bound at ``alpha`` of a point identical to the baseline ``base``
     on every item of ``metric`` (its loss exactly 0 as measured): the least
     any point of this design can be shown to lose."""
-    m, own = base.data.metrics, (items or {}).get(base.info.run_id, {})
+    m, own = base.metrics, (items or {}).get(base.id, {})
     lo = decision.loss(metric, m, own, m, own)
     return lo.bound.upper_at(alpha) if lo is not None and lo.bounded else math.inf
 
@@ -70,13 +70,13 @@ def best_case(metric: str, base, items: dict | None, alpha: float) -> float:
 def run_loss(run, metric: str, base=None, items: dict | None = None) -> decision.Loss | None:
     """The finished ``run``'s loss on ``metric`` against the baseline run
     ``base`` (see :mod:`quantlab.decision`); None when it has none."""
-    if not tracking.done(run):
+    if not run.done:
         return None
     items = items or {}
-    is_base = base is not None and run.info.run_id == base.info.run_id
-    return decision.loss(metric, run.data.metrics, items.get(run.info.run_id, {}),
-                         base.data.metrics if base is not None else {},
-                         items.get(base.info.run_id, {}) if base is not None else {}, is_base)
+    is_base = base is not None and run.id == base.id
+    return decision.loss(metric, run.metrics, items.get(run.id, {}),
+                         base.metrics if base is not None else {},
+                         items.get(base.id, {}) if base is not None else {}, is_base)
 
 
 # a cost's spread over the requests that timed it: the least and the greatest request's figure
@@ -88,14 +88,14 @@ def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -
     (and its request range, :data:`RANGES`, where logged)."""
     out, span = [], RANGES.get(cost)
     for r in runs:
-        m = r.data.metrics
+        m = r.metrics
         if cost not in m:
             continue
         lo = run_loss(r, metric, base, items)
         if lo is not None:
-            out.append(Point(r.info.run_name, m[cost], lo.value, r.data.tags.get(point.EMULATED_TAG) == "true",
+            out.append(Point(r.name, m[cost], lo.value, r.tags.get(point.EMULATED_TAG) == "true",
                              lo.upper if lo.bounded else None, lo.bound.p_value if lo.bounded else None,
-                             lo.bound.method, point.CONTENDED_TAG in r.data.tags,
+                             lo.bound.method, point.CONTENDED_TAG in r.tags,
                              (m[span[0]], m[span[1]]) if span and set(span) <= m.keys() else None,
                              lo.bound.upper_at if lo.bounded else None))
     return out

@@ -41,19 +41,19 @@ def overhead_note(runs) -> str:
     step: the latency column then measures the engine, not the schemes;
     names the target that would separate them. '' otherwise (fewer than two
     points, or all reading the same bytes)."""
-    timed = [r for r in runs if tracking.done(r) and r.data.tags.get(point.EMULATED_TAG) != "true"
-             and point.CONTENDED_TAG not in r.data.tags
-             and {"lat/tpot_ms_p50", "bw/overhead_ms", "bw/floor_ms"} <= r.data.metrics.keys()]
-    floor = [r.data.metrics["bw/floor_ms"] for r in timed]
+    timed = [r for r in runs if r.done and r.tags.get(point.EMULATED_TAG) != "true"
+             and point.CONTENDED_TAG not in r.tags
+             and {"lat/tpot_ms_p50", "bw/overhead_ms", "bw/floor_ms"} <= r.metrics.keys()]
+    floor = [r.metrics["bw/floor_ms"] for r in timed]
     if len(timed) < 2 or max(floor) - min(floor) <= 1e-9:
         return ""
-    tpot = [r.data.metrics["lat/tpot_ms_p50"] for r in timed]
-    over = [r.data.metrics["bw/overhead_ms"] for r in timed]
+    tpot = [r.metrics["lat/tpot_ms_p50"] for r in timed]
+    over = [r.metrics["bw/overhead_ms"] for r in timed]
     f0, t0 = sum(floor) / len(floor), sum(tpot) / len(tpot)
     slope = sum((f - f0) * (t - t0) for f, t in zip(floor, tpot)) / sum((f - f0) ** 2 for f in floor)
     if slope >= 0.5 or min(o / t for o, t in zip(over, tpot)) < 0.5:
         return ""
-    targets = sorted({r.data.tags.get("target", "?") for r in timed})
+    targets = sorted({r.tags.get("target", "?") for r in timed})
     better = "; ".join(f"{t}: {SEPARATES[t]}" for t in targets if t in SEPARATES) or "another engine"
     return (f"Latency within overhead: TPOT P50 spans {min(tpot):.2f}-{max(tpot):.2f} ms "
             f"({max(tpot) / min(tpot):.2f}x) across {len(timed)} real points whose bytes alone would take "
@@ -67,7 +67,7 @@ def objective(runs, choice: str = "auto") -> str:
     """``auto``: ``capacity`` when a finished run measured it (a serving
     sweep), else ``tpot``; otherwise ``choice``, checked."""
     if choice == "auto":
-        return "capacity" if any(tracking.done(r) and OBJECTIVES["capacity"][0] in r.data.metrics
+        return "capacity" if any(r.done and OBJECTIVES["capacity"][0] in r.metrics
                                  for r in runs) else "tpot"
     if choice not in OBJECTIVES:
         raise UserError(f"unknown objective {choice!r}; valid: auto, {', '.join(OBJECTIVES)}")
@@ -132,7 +132,7 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
     mem = points(runs, metric, "size/weight_mb", base, items)
     kl = (s := metric_names.spec(metric)) is not None and s.loss == "value"
     n_real = len([p for p in ranked if not p.emulated])
-    against = "" if kl or metric.startswith("fid/") or base is None else f" against {base.info.run_name}"
+    against = "" if kl or metric.startswith("fid/") or base is None else f" against {base.name}"
     retimed = by == "tpot" and latency.retimed is not None
     untested = "not re-timed: " + latency.why if by == "tpot" else "a capacity is not re-timed"
     lines = [f"Decision rule: loss on `{metric}`{against} = "
@@ -161,7 +161,7 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
     lines.append("Frontier, loss vs weight memory: " + ", ".join(
         f"{p.name} ({p.cost:.1f} MiB, {p.loss:.3g})" for p in frontier(mem)))
     recs = {}
-    sizes = {r.info.run_name: r.data.metrics.get(TIE_BREAKS.get(latency.tie_break, ""), float("inf")) for r in runs}
+    sizes = {r.name: r.metrics.get(TIE_BREAKS.get(latency.tie_break, ""), float("inf")) for r in runs}
     for b in budgets:
         rec = fastest_within(ranked, b, alpha=alpha, budgets=budgets)
         what = (f"KL <= {b:g}" if kl else f"{b:.0%} loss") + (f" (post hoc: {post_hoc[b]})" if b in post_hoc else "")
@@ -268,13 +268,13 @@ def measured_before(tracker: tracking.Tracker, reused, said: DecisionConfig | No
     declarations); '' where there are none."""
     late, seen = [], {}
     for r in reused:
-        parent = tracker.get(tracking.origin(r)).data.tags.get(point.PARENT_TAG)
+        parent = (tracker.tags(r.origin) or {}).get(point.PARENT_TAG)
         if parent not in seen:
-            seen[parent] = declared(tracker.get(parent).data.tags) if parent else None
+            seen[parent] = declared(tracker.tags(parent) or {}) if parent else None
         first = seen[parent]
         if said is None or first is None or \
                 (first.metric, list(first.budgets), first.alpha) != (said.metric, list(said.budgets), said.alpha):
-            late.append(r.info.run_name)
+            late.append(r.name)
     if not late:
         return ""
     return (f"declared after {', '.join(late)} {'was' if len(late) == 1 else 'were'} measured (reused from a sweep "
