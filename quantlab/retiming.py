@@ -96,7 +96,7 @@ def measure(tracker: tracking.Tracker, runs: list, rounds: int) -> Retimed:
         for r in runs:
             source = tracker.run(r.origin)
             cfg = run_config(source)
-            state = source.get().data.tags.get(quantized_state.TAG)
+            state = (tracker.tags(r.origin) or {}).get(quantized_state.TAG)
             engine, _model, tok, _target = stack.enter_context(
                 pipeline.built(cfg, r.name, Measurement(), state=state))
             built.append((r.name, engine, tok, cfg.probe.latency))

@@ -124,6 +124,16 @@ def test_export_is_one_floor_of_writers():
     assert mods and all(layer(m) == writers for m in mods), {m: layer(m) for m in mods}
 
 
+def test_the_report_reads_records_not_mlflow_runs():
+    """The report, its sections, the re-timing and the Python API read
+    quantlab's records (quantlab.records), never MLflow's Run shapes."""
+    files = [*(PKG / "report").glob("*.py"), *(PKG / f for f in ("serving_report.py", "scaling.py", "api.py",
+                                                                 "retiming.py"))]
+    hits = [f"{p.name}: {m}" for p in files for m in re.findall(r"\.info\.\w+|\.data\.(?:metrics|tags|params)",
+                                                                    p.read_text())]
+    assert hits == []
+
+
 def test_every_module_has_a_layer():
     for m in imports():
         layer(m)
