@@ -15,7 +15,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from quantlab import targets
+from quantlab import point, targets
 from quantlab.cli import CONF_DIR, presets
 from quantlab.compose import register_configs
 
@@ -71,7 +71,7 @@ def assumed_cuda(capability: tuple[int, int]) -> dict[tuple[str, str, str], tupl
 
 
 ENV_PREFIXES = ("QUANTLAB_", "ATEN_", "ONEDNN_", "CUDA_", "NEURON_")
-ENV_IGNORED = ("QUANTLAB_PARENT_RUN_ID",)
+ENV_IGNORED = (point.PARENT_ENV, point.EVAL_SEED_ENV)  # a sweep's own: every sweep sets them anew
 
 
 def _tree_digest(h, root: Path, pattern: str) -> None:

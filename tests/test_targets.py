@@ -383,7 +383,7 @@ class _Parent:
 def test_capability_matrix_is_made_once_per_environment(tmp_path, monkeypatch):
     """A sweep logs the matrix from the cache when nothing it reads changed; a
     runtime picked by the environment (QUANTLAB_VLLM_PYTHON) is another key,
-    the parent run's id is not."""
+    the parent run's id and the sweep's evaluation seed are not."""
     from quantlab import sweep
 
     monkeypatch.setenv("QUANTLAB_CACHE", str(tmp_path))
@@ -397,6 +397,7 @@ def test_capability_matrix_is_made_once_per_environment(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sweep.subprocess, "run", no_subprocess)
     monkeypatch.setenv("QUANTLAB_PARENT_RUN_ID", "another")
+    monkeypatch.setenv("QUANTLAB_EVAL_SEED", "12345")  # drawn anew by every sweep: it made every sweep a miss
     again = _Parent()
     sweep._log_capabilities(again)
     assert again.logged == first.logged
