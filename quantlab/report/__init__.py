@@ -37,7 +37,7 @@ def sweep_data(tracker: tracking.Tracker, parent_id: str):
     """``(runs, reused, parent_tags, baseline_run, items)`` of one sweep:
     its child runs as :class:`~quantlab.records.PointRecord` (the runs it
     reused last, and also in ``reused``), the
-    baseline (the one the sweep named, else :func:`baseline_run`) and each
+    baseline (the one the sweep named, else :func:`.table.baseline_run`) and each
     finished run's per-item scores (read from the run that measured it)."""
     own, reused = tracker.sweep_runs(parent_id)
     reused = [records.of(r) for r in reused]
@@ -56,7 +56,7 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
     ``log_to_run`` all of it goes to the parent run (tag ``recommended.by``)
     and the recommended child runs get a ``quantlab.recommended.<budget>`` tag.
     ``metric``, ``budgets``, ``alpha``: None takes what the sweep declared at
-    launch (:func:`declared`; else auto, 1 % and 5 %, 0.05); a choice that
+    launch (:func:`.verdict.declared`; else auto, 1 % and 5 %, 0.05); a choice that
     differs is said "post hoc" beside its picks and in a parent tag per budget."""
     runs, reused, tags, base, items = sweep_data(tracker, parent_id)
     said = declared(tags)
