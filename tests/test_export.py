@@ -15,7 +15,8 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file, save_file
 
 from quantlab import models, point
-from quantlab.export import checkpoint, formats, roundtrip, run
+from quantlab import export_run as run
+from quantlab.export import checkpoint, formats, roundtrip
 from quantlab.errors import UserError
 from quantlab.pipeline import run_point
 from tests.conftest import REPO, compose_cfg, tracker

@@ -12,7 +12,8 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from quantlab import models
-from quantlab.export import formats, run
+from quantlab import export_run as run
+from quantlab.export import formats
 from quantlab.pipeline import run_point
 from quantlab.schemes.fplinear import FormatLinear
 from tests.conftest import compose_cfg, tracker
