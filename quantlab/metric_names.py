@@ -93,6 +93,7 @@ WEIGHT_MB, BITS_PER_WEIGHT = "size/weight_mb", "size/bits_per_weight"  # the siz
 LM_EVAL_HIGHER = ("acc/", "acc_norm/", "exact_match/")
 LM_EVAL_LOWER = ("perplexity/", "word_perplexity/", "byte_perplexity/", "bits_per_byte/")
 
+
 def _column(name: str, header: str, fmt: str, timed: bool = False) -> MetricSpec:
     """One information-only metric that is a fixed column of the report's table."""
     return MetricSpec(re.escape(name), column=header, fmt=fmt, always=True, timed=timed)
@@ -103,7 +104,8 @@ BUILTIN = (
     ProbeSpec("fidelity", (
         MetricSpec(r"fid/kl_mean", "lower", "value", decision=True, column="KL mean", fmt="{:.2e}", always=True),
         MetricSpec(r"fid/kl_topk_lb_mean", "lower", "value", decision=True),
-        MetricSpec(r"fid/top1_agree", "higher", "complement", decision=True, column="top1", fmt="{:.3f}", always=True),
+        MetricSpec(r"fid/top1_agree", "higher", "complement", decision=True, column="top1", fmt="{:.3f}",
+                   always=True),
     )),
     ProbeSpec("cache", (  # decoding through the point's cache vs without one
         MetricSpec(r"kvfid/kl_mean", "lower", "value", decision=True, column="KV KL", fmt="{:.2e}", always=True),)),

@@ -40,9 +40,9 @@ REUSED_FROM_TAG = "quantlab.reused_from"  # on a light child run: the run that m
 HOST_TAG, PID_TAG, PID_START_TAG = "quantlab.host", "quantlab.pid", "quantlab.pid_start"
 CREATE_KEY_TAG = "quantlab.create_key"  # one per Tracker.start call: finds the twin a retried create made
 BASELINE_TAG = "recovery.baseline"  # on the parent: the run name the sweep compared against
-RECOMMENDED_BY_TAG = "recommended.by"
+RECOMMENDED_BY_TAG = "recommended.by"  # on the parent: the objective of the budget picks
 # on the parent: the seed of the sweep's evaluation draws, and where it came from (drawn | pinned | resumed <run>)
-EVAL_SEED_TAG, EVAL_SEED_FROM_TAG = "quantlab.eval_seed", "quantlab.eval_seed_from"  # on the parent: the objective of the budget picks
+EVAL_SEED_TAG, EVAL_SEED_FROM_TAG = "quantlab.eval_seed", "quantlab.eval_seed_from"
 # on the parent, written at launch: the decision declared before any point ran (decision.metric/budgets/alpha)
 DECLARED_TAGS = {k: f"declared.{k}" for k in ("metric", "budgets", "alpha", "latency_share", "retime_rounds",
                                                "retime_points", "tie_break")}

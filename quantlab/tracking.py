@@ -35,7 +35,6 @@ from quantlab.errors import UserError
 from quantlab.point import (CREATE_KEY_TAG, HASH_TAG, HOST_ID_TAG, HOST_TAG, OUTCOME_TAG, PARENT_TAG, PID_START_TAG,
                             PID_TAG, REASON_TAG, REUSED_FROM_TAG, ROLE_SWEEP, ROLE_TAG, SWEEP_TAG, find_sweep,
                             recommended_point_tag)
-from quantlab.records import DONE  # outcomes whose metrics count
 from quantlab.tracking_config import TrackingConfig
 
 log = logging.getLogger("quantlab")
@@ -431,16 +430,6 @@ class Tracker:
 
 
 _BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
-
-
-def done(run) -> bool:
-    """The run's point was measured (here or, for a light run, earlier)."""
-    return run.data.tags.get(OUTCOME_TAG) in DONE
-
-
-def origin(run) -> str:
-    """The id of the run that measured this point (itself unless reused)."""
-    return run.data.tags.get(REUSED_FROM_TAG, run.info.run_id)
 
 
 def _alive(tags: dict[str, str]) -> bool:

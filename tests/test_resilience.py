@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from quantlab import tracking
+from quantlab import records, tracking
 from tests.conftest import REPO, run_cli, tracker
 
 
@@ -49,7 +49,7 @@ def test_rerun_reuses_finished_points_and_force_reruns(tmp_path):
     measured = {r.info.run_id: r for r in _runs(uri)}
     assert own == [] and sorted(r.info.run_name for r in light) == ["bf16@cpu", "fp32@cpu", "int8@cpu"]
     for r in light:
-        first = measured[tracking.origin(r)]
+        first = measured[records.of(r).origin]
         assert r.data.tags[tracking.OUTCOME_TAG] == "reused" and r.info.run_name == first.info.run_name
         assert r.data.metrics["fid/kl_mean"] == first.data.metrics["fid/kl_mean"]
         assert tracking.HASH_TAG not in r.data.tags  # never found as a finished point itself

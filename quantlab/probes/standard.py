@@ -74,8 +74,9 @@ class PerplexityProbe:
 
     def run(self, ctx: ProbeContext) -> ProbeResult:
         cfg, ppl, out = ctx.cfg, ctx.cfg.probe.perplexity, ProbeResult()
+        # the metric is named by the cap, however many windows an adaptive point scores
         wins, metric, articles = perplexity.sample(ctx.tokenizer, perplexity.wikitext2_text(cfg.data_dir), ppl.window,
-                                                   ppl.max_windows, cfg.draws_seed)  # the cap's name, however many scored
+                                                   ppl.max_windows, cfg.draws_seed)
         ctx.log("perplexity probe (%d windows of %d tokens, %s%s)", len(wins), ppl.window,
                 "the whole split" if ppl.max_windows is None else "drawn at random", ", adaptive" if ppl.adaptive else "")
         nll = self._adaptive(ctx, wins, metric, out) if ppl.adaptive else perplexity.token_nll(ctx.engine, wins)

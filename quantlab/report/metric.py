@@ -5,8 +5,20 @@ from __future__ import annotations
 
 import math
 
-from quantlab import decision, point, uncertainty
+from quantlab import decision, metric_names, point, uncertainty
 from quantlab.pareto import Point
+
+
+TOP1 = "fid/top1_agree"  # needs no labels: auto's last resort
+
+
+def weighed(runs) -> list[str]:
+    """The measured metrics ``auto`` weighs, in its order: token-level
+    perplexity, then accuracies (``acc_norm/`` before ``acc/``), then top-1
+    agreement with the reference."""
+    keys = sorted({k for r in runs for k in r.metrics if not decision.auxiliary(k)})
+    order = [k for prefix in (metric_names.PPL_STEM, "acc_norm/", "acc/") for k in keys if k.startswith(prefix)]
+    return order + [TOP1] * (TOP1 in keys)
 
 
 def decision_metric(runs, choice: str = "auto", base=None, items: dict | None = None, budgets=(),
@@ -27,9 +39,7 @@ def auto_metric(runs, choice: str = "auto", base=None, items: dict | None = None
     (:func:`best_case`)."""
     if choice != "auto":
         return decision.base_metric(choice), ""
-    keys = sorted({k for r in runs for k in r.metrics if not decision.auxiliary(k)})
-    order = [k for prefix in ("ppl_token_wikitext2_w", "acc_norm/", "acc/") for k in keys if k.startswith(prefix)]
-    order += ["fid/top1_agree"] if "fid/top1_agree" in keys or not order else []
+    order = weighed(runs) or [TOP1]
     why = []
     for k in order:
         best = best_case(k, base, items, alpha) if base is not None and budgets else 0.0
@@ -48,9 +58,7 @@ def information_only(runs, metric: str, base, items: dict | None, budgets, alpha
     a verdict is ruled out in the report itself; '' when there are none."""
     if base is None or not budgets:
         return ""
-    keys = sorted({k for r in runs for k in r.metrics if not decision.auxiliary(k)} - {metric})
-    weak = [(k, b) for k in keys if k.startswith(("ppl_token_wikitext2_w", "acc_norm/", "acc/", "fid/top1_agree"))
-            and (b := best_case(k, base, items, alpha)) > max(budgets)]
+    weak = [(k, b) for k in weighed(runs) if k != metric and (b := best_case(k, base, items, alpha)) > max(budgets)]
     if not weak:
         return ""
     named = ", ".join(f"{k} ({'no bound' if math.isinf(b) else f'at {b:.3g}'})" for k, b in weak)
