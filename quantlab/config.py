@@ -1,7 +1,7 @@
 """Typed configuration for one sweep point: the run (:class:`RunConfig`), the
-model, reference, tracking and decision nodes here; the probes' nodes beside
-the probes (:mod:`quantlab.probes.configs`), the schemes' and targets' beside
-theirs.
+model, reference and decision nodes here; the probes' nodes beside the
+probes (:mod:`quantlab.probes.configs`), tracking's in
+:mod:`quantlab.tracking_config`, the schemes' and targets' beside theirs.
 
 Every YAML preset under ``conf/`` merges onto one of these dataclasses (they are
 stored in Hydra's ConfigStore by :func:`quantlab.compose.register_configs`), so a typo in a field
