@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from quantlab import metric_names
 from quantlab.tracking_config import TrackingConfig, default_tracking_uri
 from quantlab.errors import UserError
 from quantlab.uncertainty import ALPHA
@@ -99,7 +100,7 @@ def results(sweep: str = "latest", *, tracking_uri: str | None = None, experimen
 
 
 def fastest_within(frame: pandas.DataFrame, budget: float, *, alpha: float | None = None,
-                   cost: str = "lat/tpot_ms_p50", include_emulated: bool = False) -> pandas.Series | None:
+                   cost: str = metric_names.TPOT_P50, include_emulated: bool = False) -> pandas.Series | None:
     """The row of the point the report picks within ``budget`` among the
     rows given that have a loss and a cost (filter the frame first to decide
     among fewer): shown within it by closed testing at family-wise ``alpha``
@@ -112,9 +113,9 @@ def fastest_within(frame: pandas.DataFrame, budget: float, *, alpha: float | Non
     from quantlab.pareto import Point, fastest_within as decide
 
     if cost not in frame.columns:
-        raise UserError(f"no column {cost!r} in this frame (a cost such as lat/tpot_ms_p50, size/weight_mb)")
+        raise UserError(f"no column {cost!r} in this frame (a cost such as {metric_names.TPOT_P50}, {metric_names.WEIGHT_MB})")
     latency = frame.attrs.get("latency")
-    retimed = cost == "lat/tpot_ms_p50" and latency is not None and latency.retimed is not None
+    retimed = cost == metric_names.TPOT_P50 and latency is not None and latency.retimed is not None
     said = frame.attrs.get("decision")
     if alpha is None:
         alpha = said.halves()[0] if said is not None else frame.attrs.get("alpha", ALPHA)

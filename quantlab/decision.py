@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from quantlab import sequential, uncertainty
 from quantlab import metric_names
-from quantlab.metric_names import ARTICLES, AUXILIARY, CLUSTERS, IDENTICAL
+from quantlab.metric_names import ARTICLES, AUXILIARY, CLUSTERS, DOC_IDS, IDENTICAL
 from quantlab.uncertainty import Bound, Paired, paired
 
 
@@ -55,7 +55,7 @@ def auxiliary(key: str) -> bool:
 
 def base_metric(metric: str) -> str:
     """``recovery/acc/x`` and ``acc/x`` name the same decision."""
-    return metric.removeprefix("recovery/")
+    return metric.removeprefix(metric_names.RECOVERY)
 
 
 def aligned(metric: str, items: dict, base_items: dict) -> tuple[list, list] | None:
@@ -68,7 +68,7 @@ def aligned(metric: str, items: dict, base_items: dict) -> tuple[list, list] | N
     if not a or not b:
         return None
     task = metric.partition("/")[2]
-    ids, base_ids = items.get(f"doc_ids/{task}"), base_items.get(f"doc_ids/{task}")
+    ids, base_ids = items.get(f"{DOC_IDS}{task}"), base_items.get(f"{DOC_IDS}{task}")
     if task and ids != base_ids:
         by_id = dict(zip(base_ids or [], b))
         if not ids or not all(i in by_id for i in ids):
@@ -152,7 +152,7 @@ def loss(metric: str, metrics: dict, items: dict, base_metrics: dict, base_items
     if metric.startswith(metric_names.ZERO_WHEN_IDENTICAL) and metrics.get(IDENTICAL) == 1.0:
         return Loss(0.0, uncertainty.exact(0.0, "identical log-probabilities to the reference"), True)
     if spec.loss != "relative":  # against the reference: the point's own statistics
-        return _against_reference(metric, v, spec.loss, metrics)
+        return _against_reference(metric, v, spec, metrics)
     if is_base:
         return Loss(0.0, uncertainty.exact(0.0, "the baseline"), True)
     b = base_metrics.get(metric)
@@ -199,7 +199,7 @@ def clusters(metric: str, items: dict, base_items: dict) -> list | None:
     logged the same in the same order; None otherwise (items independent)."""
     task = metric.partition("/")[2]
     a, b = items.get(f"{CLUSTERS}{task}"), base_items.get(f"{CLUSTERS}{task}")
-    same = items.get(f"doc_ids/{task}") == base_items.get(f"doc_ids/{task}")
+    same = items.get(f"{DOC_IDS}{task}") == base_items.get(f"{DOC_IDS}{task}")
     return a if a and a == b and same and len(a) == len(items.get(metric, ())) else None
 
 
@@ -225,26 +225,33 @@ def _clustered(pair: Paired, values: tuple[list, list], groups: list, base_acc: 
         f"paired Tango score at effective n {n_eff:.0f} of {n} items in {c} clusters"), True)
 
 
-def _against_reference(metric: str, v: float, kind: str, metrics: dict) -> Loss:
+def _windows(metric: str, spec, metrics: dict) -> int:
+    """A metric's windows: ``<metric>_windows`` where the probe logs them,
+    else the count its declaration names (``spec.windows``), else 1."""
+    return int(metrics.get(f"{metric}_windows", metrics.get(spec.windows, 1)))
+
+
+def _against_reference(metric: str, v: float, spec, metrics: dict) -> Loss:
     """The loss of a metric measured against the reference model: a
     divergence (``value``: the metric itself, bounded by t on the windows of
-    its logged standard error) or an agreement (``complement``: 1 - it;
-    top-1 agreement by Wilson's score bound, :func:`_top1`). The windows are
-    ``<metric>_windows`` where the probe logs them, else the fidelity
-    probe's ``fid/windows``."""
-    if metric == "fid/top1_agree":
-        return _top1(v, metrics)
+    its logged standard error) or an agreement (``complement``: 1 - it; an
+    agreement over positions, ``spec.positions``, by Wilson's score bound,
+    :func:`_agreement`)."""
+    if spec.positions:
+        return _agreement(metric, v, spec, metrics)
+    kind = spec.loss
     lost = v if kind == "value" else max(0.0, 1 - v)
     se = metrics.get(f"{metric}_stderr")
-    m = int(metrics.get(f"{metric}_windows", metrics.get("fid/windows", 1)))
+    m = _windows(metric, spec, metrics)
     if se is None:
         return Loss(lost, uncertainty.unbounded(lost, "estimate only"), False)
     upper = lambda a: uncertainty.unit_upper(lost, se, m, a)  # noqa: E731
     return Loss(lost, Bound(lost, upper if kind == "value" else _clamp(upper), _unit_text(m, "windows")), True)
 
 
-def _top1(agree: float, metrics: dict) -> Loss:
-    """1 - agreement; bound: Wilson's score bound at the effective sample size
+def _agreement(metric: str, agree: float, spec, metrics: dict) -> Loss:
+    """1 - agreement (top-1 agreement with the reference: the share of
+    positions, ``spec.positions`` counts them, whose greedy token agrees); bound: Wilson's score bound at the effective sample size
     (n over the design effect of the blocks), with a t quantile on the
     blocks' degrees of freedom, so zero disagreements never give a bound of 0.
     A t-interval on the block means was anti-conservative for this
@@ -252,11 +259,11 @@ def _top1(agree: float, metrics: dict) -> Loss:
     a low block mean comes with a low block spread); the score bound measured
     4.4 % (``benchmarks/decision_calibration.py``)."""
     lost = max(0.0, 1 - agree)
-    se, n = metrics.get("fid/top1_agree_stderr"), metrics.get("fid/tokens")
+    se, n = metrics.get(f"{metric}_stderr"), metrics.get(spec.positions)
     if se is None or not n:
         return Loss(lost, uncertainty.unbounded(lost, "estimate only"), False)
-    m = int(metrics.get("fid/windows", 1))
-    se_tok = metrics.get("fid/top1_agree_stderr_tokens", se)
+    m = int(metrics.get(spec.windows, 1))
+    se_tok = metrics.get(f"{metric}_stderr_tokens", se)
     n_eff = n / max(1.0, (se / se_tok) ** 2) if se_tok > 0 else n
     bound = (lambda a: uncertainty.wilson_upper(lost, n_eff, a, m)) if m >= uncertainty.MIN_UNITS else \
         (lambda _a: 1.0)

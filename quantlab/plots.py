@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from quantlab.metric_names import TPOT_P50, WEIGHT_MB
 from quantlab.pareto import Point, frontier
 
-COSTS = {"lat/tpot_ms_p50": "decode latency per token, P50 [ms]", "size/weight_mb": "weight memory [MiB]"}
+COSTS = {TPOT_P50: "decode latency per token, P50 [ms]", WEIGHT_MB: "weight memory [MiB]"}
 
 
 def _frontier(cost_key: str, pts: list[Point]) -> list[Point]:
     """Memory is real even for emulated points; their latency is not."""
-    return frontier(pts if cost_key.startswith("size/") else [p for p in pts if not p.emulated])
+    return frontier(pts if cost_key == WEIGHT_MB else [p for p in pts if not p.emulated])
 
 
 OFFSETS = ((4, 4), (4, -12), (4, 16), (4, -24), (4, 28), (4, -36), (4, 40), (4, -48))

@@ -23,7 +23,7 @@ import time
 
 import psutil
 
-from quantlab import corpus, pipeline, provenance, report, tracking
+from quantlab import corpus, metric_names, pipeline, provenance, report, tracking
 from quantlab.export import state as quantized_state
 from quantlab.export_run import run_config
 from quantlab.measurement import Measurement
@@ -81,7 +81,7 @@ def _cannot(names: list[str], by_name: dict) -> str:
     held = [n for n in names if by_name[n].tags.get("target", "") in ONE_ENGINE]
     if held:
         return f"{', '.join(held)}: their target holds one engine at a time"
-    need = sum(by_name[n].metrics.get("size/weight_mb", 0.0) for n in names) * 2**20 * MEMORY_HEADROOM
+    need = sum(by_name[n].metrics.get(metric_names.WEIGHT_MB, 0.0) for n in names) * 2**20 * MEMORY_HEADROOM
     available = psutil.virtual_memory().available
     if need > available:
         return f"their engines need about {need / 2**30:.1f} GiB at once, {available / 2**30:.1f} GiB is available"

@@ -30,7 +30,7 @@ LAYERS = [
     ("probes", ["probes"]),
     ("writers", ["export.formats", "export.checkpoint", "export.gguf", "export.roundtrip", "export"]),
     ("targets", ["targets"]),
-    ("app", ["compose", "provenance", "pipeline", "report", "report_cli", "serving_report", "scaling", "sweep", "cli",
+    ("app", ["compose", "provenance", "pipeline", "report", "report_cli", "sweep", "cli",
              "capabilities", "sensitivity", "__main__", "export_run", "export_cli", "export.__main__", "console", "api",
              "retiming"]),
 ]
@@ -91,13 +91,13 @@ def layer(module: str) -> int:
 
 
 def test_the_report_and_the_run_config_are_split_into_small_modules():
-    """The report's table, metric choice, verdict and probe sections are a
-    module each (one 765-line file mixed all four), and the run's config
+    """The report's table, metric choice and verdict are a module each (one
+    765-line file mixed them with the probes' sections, now the probes'), and the run's config
     holds the run's nodes (the probes' configs beside the probes, the one
     check and tracking's config apart): none over 350 lines."""
     files = [*(PKG / "report").glob("*.py"), PKG / "config.py"]
     sizes = {str(p.relative_to(PKG)): len(p.read_text().splitlines()) for p in files}
-    assert {"report/table.py", "report/metric.py", "report/verdict.py", "report/sections.py"} <= set(sizes)
+    assert {"report/table.py", "report/metric.py", "report/verdict.py"} <= set(sizes)
     assert max(sizes.values()) < 350, sizes
 
 
@@ -114,6 +114,44 @@ def test_the_reports_table_names_no_metric_its_probes_do_not_declare():
         metric_names.columns({"load/knee_rps_lower"})
 
 
+# a metric's name or a family's prefix as a string literal: "lat/tpot_ms_p50", "acc/", "doc_ids/" (a unit such
+# as "ms/token" is not one)
+METRIC_LITERAL = re.compile(r"(?!ms/|req/|tok/)[a-z][a-z0-9_]*/[a-z0-9_]*")
+# the modules that read probes' metrics, and the family each logs itself
+DECIDERS = {"decision.py": None, "report/__init__.py": None, "report/metric.py": None, "report/table.py": None,
+            "report/verdict.py": None, "report_cli.py": None, "plots.py": None, "pareto.py": None, "api.py": None,
+            "retiming.py": "retime/"}
+
+
+def metric_literals(path: Path) -> list[str]:
+    """The string constants of ``path`` (f-strings' fixed parts included)
+    that are a metric's name or prefix, docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in docs and METRIC_LITERAL.fullmatch(n.value)]
+
+
+def test_no_metric_name_outside_the_probes_that_log_them():
+    """The report, the decision, the plots and the API name no metric: what
+    they read is declared with the probes (quantlab.metric_names: its
+    constants and specs), and each probe's section (probes/*_report.py) is
+    the probe's own; so a plugin probe reaches all of them by declaring its
+    metrics and sections, with no edit here."""
+    hits = {f: found for f, own in DECIDERS.items()
+            if (found := [n for n in metric_literals(PKG / f) if not (own and n.startswith(own))])}
+    assert hits == {}
+    assert not (PKG / "serving_report.py").exists() and not (PKG / "scaling.py").exists()
+
+
+def test_the_metric_literal_check_finds_one(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""docs name lat/tpot_ms_p50"""\nA = "lat/tpot_ms_p50"\nB = f"doc_ids/{x}"\nC = "a path/to x"\n')
+    assert metric_literals(f) == ["lat/tpot_ms_p50", "doc_ids/"]
+
+
 def test_export_is_one_floor_of_writers():
     """export/ holds the writers the targets import; the export command and
     its rebuild of a point (app level) live beside the other commands
@@ -127,8 +165,8 @@ def test_export_is_one_floor_of_writers():
 def test_the_report_reads_records_not_mlflow_runs():
     """The report, its sections, the re-timing and the Python API read
     quantlab's records (quantlab.records), never MLflow's Run shapes."""
-    files = [*(PKG / "report").glob("*.py"), *(PKG / f for f in ("serving_report.py", "scaling.py", "api.py",
-                                                                 "retiming.py"))]
+    files = [*(PKG / "report").glob("*.py"), *(PKG / "probes").glob("*_report.py"),
+             *(PKG / f for f in ("api.py", "retiming.py"))]
     hits = [f"{p.name}: {m}" for p in files for m in re.findall(r"\.info\.\w+|\.data\.(?:metrics|tags|params)",
                                                                     p.read_text())]
     assert hits == []

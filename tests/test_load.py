@@ -420,7 +420,7 @@ def _served(scheme, engine, knee_rps, lower, **tags):
 
 
 def test_the_serving_report_names_the_engine_that_serves_each_precision_best():
-    from quantlab import serving_report
+    from quantlab.probes import load_report as serving_report
 
     assert serving_report.engine_table([_served("int8", "cpu", 2.0, 1.5)]) == ""  # one engine: nothing to rank
     runs = [_served("int8", "cpu", 2.0, 1.5), _served("int8", "llamacpp", 6.0, 5.0),

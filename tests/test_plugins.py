@@ -68,9 +68,10 @@ def test_an_out_of_tree_probe_runs_in_a_point(tmp_path):
 
 def test_a_plugin_probes_metric_is_a_report_column_and_decides_a_budget(tmp_path):
     """The guide's probe declares ``nonzero/frac`` (higher is better, a
-    decision metric, a column): in a sweep that names it as the decision
-    metric, the report's table shows it and its decision section bounds
-    each point's loss on it, with no file in quantlab/ knowing its name."""
+    decision metric, a column) and a section: in a sweep that names it as
+    the decision metric, the report's table shows it, its decision bounds
+    each point's loss on it and its section follows, with no file in
+    quantlab/ knowing its name."""
     site = _site(tmp_path)
     out = _run(site, ["-m", "scheme/weights=fp32,int8", "+probe.plugins.nonzero.tol=0.01",
                       "decision.metric=nonzero/frac", "decision.budgets=[0.5]",
@@ -87,6 +88,10 @@ def test_a_plugin_probes_metric_is_a_report_column_and_decides_a_budget(tmp_path
     assert "loss on `nonzero/frac`" in text, text[:3000]
     # int8 qualified: its loss has a bound (from the nonzero/frac_stderr both runs logged; one without never does)
     assert "within 50% loss" in text and "2 qualified" in text, text[:4000]
+    # its own section, after the decision, one row a point
+    section = text[text.index("Nonzero weights:"):]
+    assert text.index("Decision rule") < text.index("Nonzero weights:")
+    assert {line.split(" | ")[0] for line in section.splitlines()[4:6]} == {"| fp32", "| int8"}, section[:600]
 
 
 def test_a_plugin_probes_bad_setting_or_undeclared_metric_is_refused_in_one_line(tmp_path):

@@ -201,23 +201,27 @@ def _run(name: str, metrics: dict[str, float]):
 def test_cost_by_context_splits_the_tpot_rise_into_cache_bytes_and_the_rest(tmp_path):
     """TPOT rises 4 ms from a 128- to a 2,048-token prompt while the cache grows
     by 60 MiB; at the host's measured 30 GB/s, 60 MiB take 2.10 ms."""
-    from quantlab import scaling
+    from quantlab.metric_names import SectionView
+    from quantlab.probes import roofline_report
+
+    def context_section(runs, out):
+        return roofline_report.by_context(SectionView(runs, out, "t", lambda r, name: None))
     m = {"lat/batch_size": 1.0, "lat/prompt_tokens": 128.0, "lat/ttft_ms_p50": 100.0, "lat/tpot_ms_p50": 20.0,
          "mem/kv_mb": 4.0, "cell/b1_p2048/ttft_ms_p50": 2000.0, "cell/b1_p2048/tpot_ms_p50": 24.0,
          "cell/b1_p2048/kv_mb": 64.0, "size/weight_bytes": 3e8, "bw/achieved_gb_s": 15.0, "bw/util": 0.5,
          "bw/peak_gb_s": 30.0}
-    text, files = scaling.context_section([_run("a", m)], tmp_path)
+    text, files = context_section([_run("a", m)], tmp_path)
     assert files == ["context.png"] and (tmp_path / "context.png").stat().st_size > 0
     row = next(line for line in text.splitlines() if line.startswith("| a |"))
     assert row == f"| a | cpu | 100.0 | 20.0 | 2000.0 | 24.0 | 4.00 | {60 * 2**20 / 30e9 * 1e3:.2f} | 64 |"
     served = {k: (0.0 if k.endswith("kv_mb") else v) for k, v in m.items()}  # vLLM's server: no cache size
-    row = next(line for line in scaling.context_section([_run("v", served)], tmp_path)[0].splitlines()
+    row = next(line for line in context_section([_run("v", served)], tmp_path)[0].splitlines()
                if line.startswith("| v |"))
     assert row.endswith("| 4.00 | - | - |")
     one = dict(m)
     for k in [k for k in one if k.startswith("cell/")]:
         del one[k]
-    assert scaling.context_section([_run("b", one)], tmp_path) == ("", [])  # one prompt length: no section
+    assert context_section([_run("b", one)], tmp_path) == ("", [])  # one prompt length: no section
 
 
 def test_a_prompt_longer_than_the_shape_holds_is_refused_in_one_line(tmp_path):

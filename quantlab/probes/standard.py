@@ -127,7 +127,7 @@ def cascades(cfg: RunConfig) -> bool:
     (``probe.accuracy.cascade``): the decision metric is the perplexity."""
     acc, ppl, metric = cfg.probe.accuracy, cfg.probe.perplexity, cfg.decision.metric
     return acc.enabled and acc.cascade and ppl.enabled and (
-        metric == "auto" or metric.removeprefix("recovery/").startswith(metric_names.PPL_STEM))
+        metric == "auto" or metric.removeprefix(metric_names.RECOVERY).startswith(metric_names.PPL_STEM))
 
 
 def excluded(ctx: ProbeContext) -> str:

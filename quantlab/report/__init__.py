@@ -1,20 +1,23 @@
 """Per-sweep report read back from MLflow: table (:mod:`.table`), the
 metric that decides (:mod:`.metric`), "the fastest point within a budget"
-(:mod:`.verdict`), probe sections (:mod:`.sections`), plots. Its command
+(:mod:`.verdict`), the sections the probes declare
+(:func:`quantlab.metric_names.sections`, :func:`probe_sections`), plots. Its command
 line (``quantlab report``, ``python -m quantlab.report``) is
 :mod:`quantlab.report_cli`."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import tempfile
 from pathlib import Path
 
-from quantlab import metric_names, plots, point, records, scaling, serving_report, tracking, uncertainty
+from quantlab import metric_names, plots, point, records, tracking, uncertainty
 from quantlab.config import DecisionConfig
+from quantlab.errors import UserError
+from quantlab.metric_names import SectionView
 from quantlab.pareto import Recommendation
 from quantlab.report import table
 from quantlab.report.metric import auto_metric, information_only, points
-from quantlab.report.sections import kv_position_series, kv_position_table, passkey_table
 from quantlab.report.verdict import (DEFAULT_BUDGETS, decide, declaration_text, declared, draws_text, latency_half,
                                     measured_before, objective, post_hoc)
 
@@ -31,6 +34,23 @@ def next_steps(runs, recs: dict[float, Recommendation], sweep: str, parent_id: s
     where = f"Files: {', '.join(['report.md', *(('pareto.png', 'pareto.html') if recs else ())])} in {out}"
     lines.append(where + (f", and as artifacts of the parent run {parent_id}." if logged else "."))
     return "\n".join(lines)
+
+
+def probe_sections(view: SectionView, place: str) -> tuple[list[str], list[str]]:
+    """The texts (those not empty) and files of every section the probes
+    declare at ``place`` (:class:`quantlab.metric_names.Section`), in
+    declaration order."""
+    texts, files = [], []
+    for sec in metric_names.sections(place):
+        module, _, name = sec.function.partition(":")
+        try:
+            function = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise UserError(f"report section {sec.function!r} cannot be loaded: {e}") from e
+        text, written = function(view)
+        texts += [text] if text else []
+        files += written
+    return texts, files
 
 
 def sweep_data(tracker: tracking.Tracker, parent_id: str):
@@ -82,27 +102,19 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
     sweep = tags.get(point.SWEEP_TAG, "?")
     paired_text = table.paired_table(runs, base, items) if base is not None else ""
     times = table.time_table(runs, {r.id for r in reused})
-    kv_positions = kv_position_table(runs)
-    retrieval = passkey_table(runs)
     out = Path(out_dir or tempfile.mkdtemp(prefix="quantlab-report-"))
     out.mkdir(parents=True, exist_ok=True)
-    if series := kv_position_series(runs):
-        plots.kv_position_png(series, out / "kv_position.png", f"quantlab sweep {sweep}: KV cache error by position")
-        kv_positions += "\n\n![KL by position](kv_position.png)"
+    view = SectionView(runs, out, f"quantlab sweep {sweep}", lambda r, name: tracker.download(r.origin, name))
+    sections, section_files = probe_sections(view, "body")
+    appendix, appendix_files = probe_sections(view, "end")
     body = (f"# Sweep {sweep} ({parent_id})\n\n{table.table(runs, {r.id for r in reused}, base, items)}\n\n"
             + (paired_text + "\n\n" if paired_text else "") + f"{text}\n\n"
-            + (kv_positions + "\n\n" if kv_positions else "") + (retrieval + "\n\n" if retrieval else "")
-            + (times + "\n\n" if times else "") + next_steps(runs, recs, sweep, parent_id, out, log_to_run) + "\n")
-    serving, serving_files = serving_report.section(tracker, runs, out, f"quantlab sweep {sweep}: load")
-    if serving:
-        body += "\n" + serving + "\n"
-    by_size, size_files = scaling.section(runs, out)
-    by_context, context_files = scaling.context_section(runs, out)
-    for extra in (by_size, by_context):
-        if extra:
-            body += "\n" + extra + "\n"
+            + "".join(t + "\n\n" for t in sections)
+            + (times + "\n\n" if times else "") + next_steps(runs, recs, sweep, parent_id, out, log_to_run) + "\n"
+            + "".join("\n" + t + "\n" for t in appendix))
     (out / "report.md").write_text(body)
-    panels = {c: points(runs, metric, c, base, items) if recs else [] for c in ("lat/tpot_ms_p50", "size/weight_mb")}
+    panels = {c: points(runs, metric, c, base, items) if recs else []
+              for c in (metric_names.TPOT_P50, metric_names.WEIGHT_MB)}
     label = metric if (s := metric_names.spec(metric)) is not None and s.loss == "value" else \
         f"relative loss on {metric}"
     title = f"quantlab sweep {sweep}"
@@ -111,14 +123,13 @@ def build(tracker: tracking.Tracker, parent_id: str, metric: str | None = None,
         plots.html(panels, label, out / "pareto.html", title)
     if log_to_run:
         parent = tracker.run(parent_id)
-        for f in ("report.md", "pareto.png", "pareto.html", "kv_position.png", *serving_files, *size_files,
-                  *context_files):
+        for f in ("report.md", "pareto.png", "pareto.html", *section_files, *appendix_files):
             if (out / f).is_file():
                 parent.log_files(out / f)
         by_name = {r.name: r.id for r in runs}
-        for p in panels["size/weight_mb"]:  # the loss as a metric: the UI's charts plot it against latency
+        for p in panels[metric_names.WEIGHT_MB]:  # the loss as a metric: the UI's charts plot it against latency
             child = tracker.run(by_name[p.name])
-            child.log_metrics({"decision/loss": p.loss, "decision/loss_upper": p.upper})
+            child.log_metrics({metric_names.DECISION_LOSS: p.loss, metric_names.DECISION_LOSS_UPPER: p.upper})
             child.set_tags({"decision.metric": metric})
         parent.set_tags({point.RECOMMENDED_BY_TAG: by})
         for b, rec in recs.items():

@@ -6,19 +6,16 @@ from __future__ import annotations
 import math
 
 from quantlab import decision, metric_names, point, uncertainty
+from quantlab.metric_names import TOP1
 from quantlab.pareto import Point
 
 
-TOP1 = "fid/top1_agree"  # needs no labels: auto's last resort
-
-
 def weighed(runs) -> list[str]:
-    """The measured metrics ``auto`` weighs, in its order: token-level
-    perplexity, then accuracies (``acc_norm/`` before ``acc/``), then top-1
+    """The measured metrics ``auto`` weighs, in its order, as the probes
+    declare it (:attr:`quantlab.metric_names.MetricSpec.auto`): token-level
+    perplexity, then accuracies (``acc_norm`` before ``acc``), then top-1
     agreement with the reference."""
-    keys = sorted({k for r in runs for k in r.metrics if not decision.auxiliary(k)})
-    order = [k for prefix in (metric_names.PPL_STEM, "acc_norm/", "acc/") for k in keys if k.startswith(prefix)]
-    return order + [TOP1] * (TOP1 in keys)
+    return metric_names.auto_order({k for r in runs for k in r.metrics if not decision.auxiliary(k)})
 
 
 def decision_metric(runs, choice: str = "auto", base=None, items: dict | None = None, budgets=(),
@@ -88,7 +85,7 @@ def run_loss(run, metric: str, base=None, items: dict | None = None) -> decision
 
 
 # a cost's spread over the requests that timed it: the least and the greatest request's figure
-RANGES = {"lat/tpot_ms_p50": ("lat/tpot_ms_req_lo", "lat/tpot_ms_req_hi")}
+RANGES = {metric_names.TPOT_P50: metric_names.TPOT_RANGE}
 
 
 def points(runs, metric: str, cost: str, base=None, items: dict | None = None) -> list[Point]:

@@ -164,9 +164,9 @@ def recovery(metrics: dict[str, float], base: dict[str, float]) -> dict[str, flo
         if not metric_names.ranked(key):
             continue
         if metric_names.higher(key) and b > 0:
-            out[f"recovery/{key}"] = value / b
+            out[f"{metric_names.RECOVERY}{key}"] = value / b
         elif metric_names.lower(key) and value > 0:
-            out[f"recovery/{key}"] = b / value
+            out[f"{metric_names.RECOVERY}{key}"] = b / value
     return out
 
 

@@ -9,6 +9,7 @@ import dataclasses
 from quantlab import metric_names, point, retime, tracking, uncertainty
 from quantlab.config import DecisionConfig
 from quantlab.errors import UserError
+from quantlab.metric_names import BW_FLOOR, BW_OVERHEAD, TOP1, TPOT_P50 as TPOT
 from quantlab.pareto import Point, Recommendation, fastest_within, frontier
 from quantlab.report.metric import decision_metric, points
 from quantlab.report.table import CONTENDED, NOT_SIGNIFICANT
@@ -21,8 +22,8 @@ SKIPPED_TAG = "retime.skipped"  # on a sweep parent: why nothing was re-timed (q
 
 
 # What a budget's pick maximises: (metric, sign so that lower cost wins, words, unit).
-OBJECTIVES = {"tpot": ("lat/tpot_ms_p50", 1.0, "the lowest decode TPOT P50", "ms/token"),
-              "capacity": ("load/knee_rps_lower", -1.0, "the highest capacity under the SLOs (the lower bound "
+OBJECTIVES = {"tpot": (metric_names.TPOT_P50, 1.0, "the lowest decode TPOT P50", "ms/token"),
+              "capacity": (metric_names.CAPACITY_LOWER, -1.0, "the highest capacity under the SLOs (the lower bound "
                            "of the load probe's knee)", "req/s under the SLOs")}
 
 
@@ -43,12 +44,12 @@ def overhead_note(runs) -> str:
     points, or all reading the same bytes)."""
     timed = [r for r in runs if r.done and r.tags.get(point.EMULATED_TAG) != "true"
              and point.CONTENDED_TAG not in r.tags
-             and {"lat/tpot_ms_p50", "bw/overhead_ms", "bw/floor_ms"} <= r.metrics.keys()]
-    floor = [r.metrics["bw/floor_ms"] for r in timed]
+             and {TPOT, BW_OVERHEAD, BW_FLOOR} <= r.metrics.keys()]
+    floor = [r.metrics[BW_FLOOR] for r in timed]
     if len(timed) < 2 or max(floor) - min(floor) <= 1e-9:
         return ""
-    tpot = [r.metrics["lat/tpot_ms_p50"] for r in timed]
-    over = [r.metrics["bw/overhead_ms"] for r in timed]
+    tpot = [r.metrics[TPOT] for r in timed]
+    over = [r.metrics[BW_OVERHEAD] for r in timed]
     f0, t0 = sum(floor) / len(floor), sum(tpot) / len(tpot)
     slope = sum((f - f0) * (t - t0) for f, t in zip(floor, tpot)) / sum((f - f0) ** 2 for f in floor)
     if slope >= 0.5 or min(o / t for o, t in zip(over, tpot)) < 0.5:
@@ -125,18 +126,18 @@ def decide(runs, metric: str, budgets=DEFAULT_BUDGETS, base=None, items: dict | 
     beside it)."""
     post_hoc = post_hoc or {}
     key, sign, words, unit = OBJECTIVES[by]
-    lat = points(runs, metric, "lat/tpot_ms_p50", base, items)
+    lat = points(runs, metric, TPOT, base, items)
     # a point whose load met the SLOs at no rate (knee or its lower bound 0) has no capacity to offer
     ranked = [dataclasses.replace(p, cost=sign * p.cost) for p in points(runs, metric, key, base, items)
               if by != "capacity" or p.cost > 0]
-    mem = points(runs, metric, "size/weight_mb", base, items)
+    mem = points(runs, metric, metric_names.WEIGHT_MB, base, items)
     kl = (s := metric_names.spec(metric)) is not None and s.loss == "value"
     n_real = len([p for p in ranked if not p.emulated])
-    against = "" if kl or metric.startswith("fid/") or base is None else f" against {base.name}"
+    against = "" if s is None or s.loss != "relative" or base is None else f" against {base.name}"
     retimed = by == "tpot" and latency.retimed is not None
     untested = "not re-timed: " + latency.why if by == "tpot" else "a capacity is not re-timed"
     lines = [f"Decision rule: loss on `{metric}`{against} = "
-             + ("the KL value" if kl else "1 - top-1 agreement" if metric == "fid/top1_agree" else
+             + ("the KL value" if kl else "1 - top-1 agreement" if metric == TOP1 else
                 "1 - point/baseline (perplexity: 1 - baseline/point)")
              + f"; a point meets a budget when \"loss >= budget\" is rejected by closed testing over the "
                f"{n_real} real points and the {len(budgets)} budget{'s' if len(budgets) > 1 else ''} together "

@@ -1,4 +1,4 @@
-"""The report's cost-by-size section: how decode time grows with the weight
+"""The roofline probe's sections of the report. Cost by size: how decode time grows with the weight
 bytes a step reads, per engine, for a sweep whose points cover more than one
 model (``+sweep=scaling``: named shapes with random weights).
 
@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from quantlab.measurement import weight_bytes_read
+from quantlab.metric_names import SectionView
 
 _CELL = re.compile(r"^cell/b1_p(\d+)/(ttft_ms_p50|tpot_ms_p50|kv_mb)$")
 _PRIMARY = {"ttft_ms_p50": "lat/ttft_ms_p50", "tpot_ms_p50": "lat/tpot_ms_p50", "kv_mb": "mem/kv_mb"}
@@ -75,10 +76,10 @@ def _f(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def section(runs, out: Path) -> tuple[str, list[str]]:
-    """Markdown and the files written in ``out`` (``scaling.png``); ('', [])
+def by_size(view: SectionView) -> tuple[str, list[str]]:
+    """Markdown and the files written in ``view.out`` (``scaling.png``); ('', [])
     unless the sweep's timed points cover more than one model."""
-    table = rows(runs)
+    table, out = rows(view.runs), Path(view.out)
     if len({r["model"] for r in table}) < 2:
         return "", []
     prompts = sorted({p for r in table for p in r["ttft"]})
@@ -153,10 +154,10 @@ def png(table: list[dict], lines: dict[tuple[str, str], tuple[float, float, int]
     return True
 
 
-def context_section(runs, out: Path) -> tuple[str, list[str]]:
-    """Markdown and the files written in ``out`` (``context.png``); ('', [])
+def by_context(view: SectionView) -> tuple[str, list[str]]:
+    """Markdown and the files written in ``view.out`` (``context.png``); ('', [])
     unless some timed point has TPOT at more than one prompt length."""
-    table = [r for r in rows(runs) if len(r["tpot_at"]) > 1]
+    table, out = [r for r in rows(view.runs) if len(r["tpot_at"]) > 1], Path(view.out)
     if not table:
         return "", []
     prompts = sorted({p for r in table for p in r["tpot_at"]})

@@ -1,4 +1,4 @@
-"""The sweep report's "Serving" section: what the load probe measured, point
+"""The load probe's section of the report, "Serving": what the load probe measured, point
 by point, in four tables, and one P99-against-rate plot overlaying points.
 
 1. Capacity under the SLOs per point and policy (burst capacity, knee and its bound, goodput).
@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from quantlab import plots, point, tracking, uncertainty
+from quantlab import plots, point, uncertainty
+from quantlab.metric_names import SectionView
 from quantlab.probes import knee, load
 
 
-def _rows(tracker: tracking.Tracker, run) -> list[dict]:
-    path = tracker.download(run.origin, "load.csv")
+def _rows(view: SectionView, run) -> list[dict]:
+    path = view.download(run, "load.csv")
     return load.read_csv(path.read_text()) if path is not None else []
 
 
@@ -71,10 +72,11 @@ def engine_table(runs) -> str:
         "report's table says why)."])
 
 
-def section(tracker: tracking.Tracker, runs, out: Path, title: str) -> tuple[str, list[str]]:
+def section(view: SectionView) -> tuple[str, list[str]]:
     """Markdown of the section ('' when no run has a load table) and the plot
-    files written into ``out``."""
-    tables = {r.name: _rows(tracker, r) for r in runs if r.done}
+    files written into ``view.out``."""
+    runs, out, title = view.runs, Path(view.out), view.title + ": load"
+    tables = {r.name: _rows(view, r) for r in runs if r.done}
     tables = {k: v for k, v in tables.items() if v}
     by_name = {r.name: r for r in runs}
     kv_runs = [r for r in runs if "load/kv_capacity_seqs" in r.metrics]
