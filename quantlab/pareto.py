@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from quantlab.uncertainty import LEVEL, holm
+from quantlab.uncertainty import LEVEL
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,7 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
     if not verdict.runnable:
         log.warning("[%s] skipped: %s", name, verdict.reason)
         return "skipped", verdict.reason
-    with built(cfg, name, m, target=target) as (engine, model, tok, target):
+    with built(cfg, name, m, target=target, verdict=verdict) as (engine, model, tok, target):
         runner.run(dict(cfg=cfg, name=name, engine=engine, tokenizer=tok, model=model,
                         serves_export=target.serves_export), m)
     log.info("[%s] done: %s", name, _headline(m.metrics))
@@ -185,17 +185,18 @@ def _measure(cfg: RunConfig, name: str, m: Measurement) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def built(cfg: RunConfig, name: str, m: Measurement, state: str | None = None, target=None):
+def built(cfg: RunConfig, name: str, m: Measurement, state: str | None = None, target=None, verdict=None):
     """``(engine, model, tokenizer, target)`` of a point the target supports,
     closed on exit: load, [calibrate], weight scheme, KV scheme, engine, with
     what each step says recorded in ``m``. ``state``: the sha256 of the
     quantized model the point kept (:mod:`quantlab.export.state`): on a
     target that runs the model itself, that model when the cache still
     holds it, instead of quantizing (and calibrating) again. ``target``:
-    the point's target where the caller made it already."""
+    the point's target where the caller made it already, ``verdict`` its
+    answer to ``supports`` where the caller asked it (asked once a point)."""
     target = target or targets.get(cfg.target)
     weights, kv = cfg.scheme.weights, cfg.scheme.kv
-    verdict = target.supports(weights, kv)
+    verdict = verdict or target.supports(weights, kv)
     with target.session():
         log.info("[%s] loading model %s", name, cfg.model.name)
         with m.timed("model"):

@@ -19,7 +19,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, TypeVar
 
 import psutil
@@ -262,6 +262,7 @@ class Tracker:
 
     client: MlflowClient
     experiment_id: str
+    _items: dict = field(default_factory=dict, compare=False, repr=False)  # run id -> its items, read once
 
     def run(self, run_id: str) -> Run:
         return Run(self, run_id)
@@ -396,9 +397,13 @@ class Tracker:
 
     def items(self, run_id: str) -> dict[str, list[float]]:
         """A run's per-item values (``items.json``); empty when it logged none.
-        For a light run of a reused point, pass :func:`origin` (the items stay there)."""
-        path = self.download(run_id, ITEMS_ARTIFACT)
-        return json.loads(path.read_text()) if path is not None else {}
+        For a light run of a reused point, pass :func:`origin` (the items stay there).
+        Read once per tracker: a point logs its items once, at its end (the
+        re-timing and the report after a sweep both read them)."""
+        if run_id not in self._items:
+            path = self.download(run_id, ITEMS_ARTIFACT)
+            self._items[run_id] = json.loads(path.read_text()) if path is not None else {}
+        return self._items[run_id]
 
     def download(self, run_id: str, name: str, into: Path | None = None) -> Path | None:
         """The run's artifact ``name`` in ``into`` (default: a fresh temporary

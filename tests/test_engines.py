@@ -116,9 +116,13 @@ def test_a_new_engine_in_one_file_is_probed_and_logged(tmp_path):
     assert not any(k.startswith(("bw/", "stage/", "kvfid/")) for k in m)
 
 
-def test_cpu_threads_are_restored_after_a_point(tmp_path):
+def test_cpu_threads_are_restored_after_a_point_which_asks_its_target_once(tmp_path, monkeypatch):
     from quantlab.pipeline import run_point
+    from quantlab.targets.base import LocalTarget
 
+    asked = []
+    supports = LocalTarget.supports
+    monkeypatch.setattr(LocalTarget, "supports", lambda self, w, kv: asked.append(1) or supports(self, w, kv))
     before = torch.get_num_threads()
     want = 1 if before != 1 else 2
     cfg = compose_cfg(["model=tiny", "probe=smoke", f"target.threads={want}",
@@ -127,6 +131,7 @@ def test_cpu_threads_are_restored_after_a_point(tmp_path):
     assert res.outcome == "finished", res.reason
     assert MlflowClient(f"sqlite:///{tmp_path}/m.db").get_run(res.run_id).data.tags["threads"] == str(want)
     assert torch.get_num_threads() == before
+    assert len(asked) == 1  # whether the target runs the scheme: asked once a point, not again to build it
 
 
 def test_fidelity_corpus_is_read_only_when_fidelity_runs(tmp_path):

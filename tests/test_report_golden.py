@@ -77,3 +77,23 @@ def test_the_report_of_a_fixed_store_is_unchanged(tmp_path):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text()
+
+
+def test_a_sweeps_items_are_read_once_by_the_retiming_and_the_report(tmp_path, monkeypatch):
+    """After a sweep the re-timing reads its points' items (to find the
+    candidates) and so does the report: one download of items.json per point,
+    not two."""
+    t, parent, ids = _store(tmp_path)
+    reads = []
+    monkeypatch.setattr(t.client, "download_artifacts", _counting(t.client.download_artifacts, reads))
+    report.sweep_data(t, parent)
+    report.build(t, parent, out_dir=tmp_path / "report", log_to_run=False)
+    items = [r for r in reads if r[1] == "items.json"]
+    assert items and len(items) == len({r[0] for r in items}) == len(ids) - 1, items
+
+
+def _counting(download, reads):
+    def counted(run_id, name, into):
+        reads.append((run_id, name))
+        return download(run_id, name, into)
+    return counted
