@@ -23,9 +23,10 @@ Each adaptive row also prints the mean windows a trial scored at each true loss.
 Articles that differ (``article_loss``): each trial a fresh split of 61
 articles whose paired NLL difference shifts by 0 / 0.01 / 0.02 nats sd per
 article (and 0.005 or 0.06 per window), the truth the mean over articles
-like them; the fixed 64-window
-design bounded with the window as the unit (before) or cluster-robust over
-the articles the windows fell in (the report).
+like them; the fixed 64-window design and the adaptive one (64 as its cap,
+stopped by the probe's rule) bounded with the window as the unit (before)
+or cluster-robust over the articles the windows fell in (the report, at
+every look of the adaptive design).
 Passkey trials in cells (``passkey_loss``): 15 cells of 4 trials whose
 failures are alike within a cell (ICC 0 / 0.3 / 1), bounded as independent
 trials (before) or counting cells (the report).
@@ -37,7 +38,7 @@ Goals printed: false qualification at the budget <= 5 % + 2 se in every
 cell; at 1.5x the budget <= 1 %; power at half the 5 % budget >= 80 %.
 
     python benchmarks/decision_calibration.py [--trials 2000] [--seed 0] [--quick] \
-        [--designs first2,fixed16,fixed64,adaptive64] [--no-other]
+        [--designs first2,fixed16,fixed64,adaptive64] [--article-designs fixed64,adaptive64] [--no-other]
 """
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ ARTICLES = 61  # WikiText-2's test split has 61 articles, about 2,200 windows of
 
 
 def article_loss(rng, budget: float, multiple: float, shift: float, clustered: bool, windows: int = 64,
-                 window: int = 128, tau: float = 0.005) -> decision.Loss:
+                 window: int = 128, tau: float = 0.005, design: str = "fixed64") -> decision.Loss:
     """One point's loss on the report's path when articles differ: each
     trial a fresh split of ``ARTICLES`` articles (sizes lognormal, about
     2,200 windows in all) whose paired NLL difference is shifted by
@@ -125,7 +126,9 @@ def article_loss(rng, budget: float, multiple: float, shift: float, clustered: b
     them (``multiple * budget``); ``windows`` drawn at random among the
     split's windows (window shift ``tau``, AR(1) 0.3 tokens). ``clustered``:
     the run logs each window's article (the report bounds over articles);
-    else the window is the unit (the report before)."""
+    else the window is the unit (the report before). ``adaptive64``: the
+    windows are the cap, scored by the probe's adaptive rule (bounding over
+    the articles where ``clustered``, as the probe does)."""
     sizes = np.maximum(1, np.round(rng.lognormal(math.log(30.0), 0.7, ARTICLES))).astype(int)
     owner = np.repeat(np.arange(ARTICLES), sizes)
     drawn = owner[rng.permutation(owner.size)[:windows]]
@@ -134,10 +137,17 @@ def article_loss(rng, budget: float, multiple: float, shift: float, clustered: b
     mu = -math.log(1 - multiple * budget)
     point = base + mu + article[drawn][:, None] + _diffs(rng, windows, window, 0.0, tau, SIGMA[budget], "ar0.3")
     key = perplexity.metric_name(window, windows, None)
+    metrics = {f"{key}_windows": float(windows)}
+    if design.startswith("adaptive"):
+        ids = torch.arange(windows)[:, None].expand(windows, window).clone()
+        point = perplexity.adaptive_nll(_Given(point), ids, base, ADAPTIVE_CHUNK, BUDGETS, ADAPTIVE_ALPHA,
+                                        articles=drawn.tolist() if clustered else None).nll
+        metrics = {f"{key}_windows": float(len(point)), f"{key}_adaptive_cap": float(windows),
+                   f"{key}_adaptive_chunk": float(ADAPTIVE_CHUNK)}
     items, base_items = {key: list(point.ravel())}, {key: list(base.ravel())}
     if clustered:
-        items[f"articles/{key}"] = base_items[f"articles/{key}"] = drawn.tolist()
-    return decision.loss(key, {key: math.exp(point.mean()), f"{key}_windows": float(windows)}, items,
+        items[f"articles/{key}"], base_items[f"articles/{key}"] = drawn[:len(point)].tolist(), drawn.tolist()
+    return decision.loss(key, {key: math.exp(point.mean()), **metrics}, items,
                          {key: math.exp(base.mean()), f"{key}_windows": float(windows)}, base_items)
 
 
@@ -222,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tau 0 and 0.02, AR 0.3 only")
     ap.add_argument("--designs", default=",".join(DEFAULT_DESIGNS), help=f"of {', '.join(DESIGNS)}")
+    ap.add_argument("--article-designs", default="fixed64,adaptive64",
+                    help="the designs of the articles-differ rows (fixed64, adaptive64; '' for none)")
     ap.add_argument("--no-other", action="store_true", help="perplexity only (no top-1 or accuracy rows)")
     args = ap.parse_args(argv)
     designs = [d for d in args.designs.split(",") if d]
@@ -248,10 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         worst15 = max(worst15, cells[1][0])
         if budget == 0.05 and design != "first2":
             power5.append(cells[2][0])
-    for shift, tau, clustered, budget in itertools.product(ARTICLE_SHIFTS, ARTICLE_TAUS, (False, True), BUDGETS):
-        cells = [rate(lambda m=m: article_loss(rng, budget, m, shift, clustered, tau=tau), budget, args.trials)
-                 for m in MULTIPLES]
-        print(f"| perplexity, articles differ | fixed64, {'articles the unit' if clustered else 'windows the unit'} "
+    article_designs = [d for d in args.article_designs.split(",") if d]
+    for adesign, shift, tau, clustered, budget in itertools.product(article_designs, ARTICLE_SHIFTS, ARTICLE_TAUS,
+                                                                     (False, True), BUDGETS):
+        cells = [rate(lambda m=m: article_loss(rng, budget, m, shift, clustered, tau=tau, design=adesign), budget,
+                      args.trials) for m in MULTIPLES]
+        print(f"| perplexity, articles differ | {adesign}, "
+              f"{'articles the unit' if clustered else 'windows the unit'} "
               f"| ar0.3 | article {shift:g}, window {tau:g} | {budget:g} | "
               + " | ".join(f"{p:.3f} ({se:.3f})" for p, se in cells) + " | - |", flush=True)
         if clustered:  # the report's bound; the window-unit rows show what it replaced

@@ -14,7 +14,10 @@ SmolLM2's Q6_K KL by 6 %, 3 standard errors.
 
 TPOT: ``llama-bench -p 0 -n N`` (decode only, from an empty context) against
 the greedy decode quantlab's latency probe times (:meth:`LlamaCppEngine.decode`
-from a one-token prompt), interleaved ``--rounds`` times, same threads.
+from a one-token prompt), interleaved ``--rounds`` times, same threads: the
+ratio is each round's quantlab TPOT over the llama-bench TPOT of the same
+round, its geometric mean over rounds with a 95 % t interval (the host's
+drift between rounds hits both sides of a round alike).
 
     python benchmarks/llamacpp_peers.py --model smollm2 --quants Q4_K_M,Q6_K [--tools DIR]
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import re
 import statistics
@@ -163,7 +167,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chars", type=int, default=60000, help="characters of WikiText-2's test split scored")
     ap.add_argument("--n-gen", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--tools", type=Path, default=default_tools())
     args = ap.parse_args()
@@ -182,8 +186,8 @@ def main() -> None:
         print(f"# {hardware.cpu_name()}, {args.threads} threads; {args.model}; ctx {args.ctx}; "
               f"{len(text)} characters of WikiText-2 test\n")
         print("| quant | types | KLD quantlab | KLD llama-perplexity | same top quantlab | same top llama-perplexity "
-              "| TPOT ms quantlab | TPOT ms llama-bench |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| TPOT ms quantlab (median) | TPOT ms llama-bench (median) | quantlab / llama-bench (95 % CI) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for quant in args.quants.split(","):
             path = tmp / f"{quant}.gguf"
             gguf_export.quantize(base, path, quant, threads=args.threads)
@@ -197,8 +201,21 @@ def main() -> None:
             print(f"| {quant} | {mix} | {ours['kld']:.5f} ± {ours['kld_se']:.5f} | {theirs['kld']:.5f} ± "
                   f"{theirs['kld_se']:.5f} | {ours['same_top']:.4f} ± {ours['same_top_se']:.4f} | "
                   f"{theirs['same_top']:.4f} ± {theirs['same_top_se']:.4f} | "
-                  f"{' / '.join(f'{t:.2f}' for t in t_ours)} | {' / '.join(f'{t:.2f}' for t in t_theirs)} |",
-                  flush=True)
+                  f"{statistics.median(t_ours):.2f} | {statistics.median(t_theirs):.2f} | "
+                  f"{ratio_text(t_ours, t_theirs)} |", flush=True)
+
+
+def ratio_text(ours: list[float], theirs: list[float]) -> str:
+    """Geometric mean of the per-round ratios with its 95 % t interval
+    (``x1.04 [0.99, 1.09]``); the ratio alone for one round."""
+    from scipy import stats
+
+    logs = [math.log(a / b) for a, b in zip(ours, theirs)]
+    m = statistics.mean(logs)
+    if len(logs) < 2:
+        return f"x{math.exp(m):.3f}"
+    h = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return f"x{math.exp(m):.3f} [{math.exp(m - h):.3f}, {math.exp(m + h):.3f}]"
 
 
 if __name__ == "__main__":

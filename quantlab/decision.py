@@ -251,7 +251,8 @@ def _against_reference(metric: str, v: float, spec, metrics: dict) -> Loss:
 
 def _agreement(metric: str, agree: float, spec, metrics: dict) -> Loss:
     """1 - agreement (top-1 agreement with the reference: the share of
-    positions, ``spec.positions`` counts them, whose greedy token agrees); bound: Wilson's score bound at the effective sample size
+    positions, ``spec.positions`` counts them, whose greedy token agrees);
+    bound: Wilson's score bound at the effective sample size
     (n over the design effect of the blocks), with a t quantile on the
     blocks' degrees of freedom, so zero disagreements never give a bound of 0.
     A t-interval on the block means was anti-conservative for this
@@ -276,7 +277,10 @@ def _sequential(metric: str, metrics: dict, items: dict, base_metrics: dict, bas
     stopped at any look): paired on the windows both runs scored, bounded by
     the anytime-valid confidence sequence over the looks of that design
     (:mod:`quantlab.sequential`), not by the fixed-design t bound, which a
-    data-dependent stop would make too narrow."""
+    data-dependent stop would make too narrow; each look's bound
+    cluster-robust over the windows' articles where both runs logged the
+    same ones (the articles the unit, as the fixed design's), else t on
+    windows."""
     a, b = items.get(metric), base_items.get(metric)
     design = metrics if f"{metric}_adaptive_cap" in metrics else base_metrics
     if not a or not b or not metrics.get(f"{metric}_windows"):
@@ -287,13 +291,24 @@ def _sequential(metric: str, metrics: dict, items: dict, base_metrics: dict, bas
     looks = [n for n in sequential.schedule(cap, chunk, uncertainty.MIN_UNITS) if n <= common]
     if not looks:
         return None
-    pairs = {n: uncertainty.paired(a[:n * per_window], b[:n * per_window], windows=n) for n in looks}
+    arts = _shared_prefix(items.get(f"{ARTICLES}{metric}"), base_items.get(f"{ARTICLES}{metric}"), common)
+    pairs = {n: uncertainty.paired(a[:n * per_window], b[:n * per_window], windows=n,
+                                   clusters=None if arts is None else arts[:n]) for n in looks}
     diff = pairs[looks[-1]].diff
-    look_upper = lambda n, level: uncertainty.unit_upper(pairs[n].diff, pairs[n].stderr, n, level)  # noqa: E731
+    def look_upper(n: int, level: float) -> float:
+        return uncertainty.unit_upper(pairs[n].diff, pairs[n].stderr, pairs[n].units, level)
+
+    unit = f"cluster-robust over their {pairs[looks[-1]].units} articles" if arts is not None else "paired t on windows"
     return Loss(max(0.0, relative(diff)), Bound(
         relative(diff), _clamp(lambda al: relative(sequential.upper(al, looks, cap, look_upper, diff))),
-        f"anytime-valid over {_looks_text(looks, 'windows', cap)}, paired t on windows"
+        f"anytime-valid over {_looks_text(looks, 'windows', cap)}, {unit}"
         + _crossed(looks, cap, look_upper, diff)), True)
+
+
+def _shared_prefix(a: list | None, b: list | None, n: int) -> list | None:
+    """The first ``n`` labels where both runs logged them alike that far
+    (an adaptive point logs a prefix of the baseline's draw); else None."""
+    return a[:n] if a and b and len(a) >= n and len(b) >= n and a[:n] == b[:n] else None
 
 
 def _looks_text(looks: list[int], unit: str, cap: int) -> str:

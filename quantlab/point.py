@@ -45,7 +45,7 @@ RECOMMENDED_BY_TAG = "recommended.by"  # on the parent: the objective of the bud
 EVAL_SEED_TAG, EVAL_SEED_FROM_TAG = "quantlab.eval_seed", "quantlab.eval_seed_from"
 # on the parent, written at launch: the decision declared before any point ran (decision.metric/budgets/alpha)
 DECLARED_TAGS = {k: f"declared.{k}" for k in ("metric", "budgets", "alpha", "latency_share", "retime_rounds",
-                                               "retime_points", "tie_break")}
+                                               "retime_points", "tie_break", "retime_instance_sd")}
 # on a child: its latency or load timing shared the cores with other processes (the value says how much)
 CONTENDED_TAG = "load.warning"
 

@@ -15,6 +15,11 @@ The claim (:func:`claim`): for every ordered pair (a, b) of the re-timed
 candidates, the one-sided t bound over rounds on the mean of
 ``ln(TPOT_a / TPOT_b)`` at ``alpha / (K (K - 1))``: simultaneous over all
 pairs, so every budget's claim holds at once with error at most ``alpha``.
+Each engine is built once for the re-timing, and one instance of a scheme
+may run a few percent off another for a whole session (six re-timings of
+the same points moved a ratio with sd 2.7 % where one's rounds gave a
+standard error of 0.9 %): the bound's variance adds ``2 instance_sd**2``,
+so the claim is about the schemes, not these engine instances.
 Among a budget's qualified points the leader has the least mean log TPOT;
 tied with it is every point the leader is not shown faster than. The pick
 is the leader, or the tie-break's choice among the tied (least weight
@@ -68,22 +73,26 @@ class Claim:
     level: float  # one-sided error of each comparison
     rounds: int
     untimed: tuple[str, ...]  # qualified points that were not re-timed
+    instance_sd: float = 0.0  # each engine's allowed offset from its scheme
 
 
-def upper(a: np.ndarray, b: np.ndarray, level: float) -> float:
+def upper(a: np.ndarray, b: np.ndarray, level: float, instance_sd: float = 0.0) -> float:
     """One-sided ``1 - level`` upper bound on the mean over rounds of
-    ``ln(a / b)`` (t on the rounds, ``R - 1`` degrees of freedom)."""
+    ``ln(a / b)`` (t on the rounds, ``R - 1`` degrees of freedom), its
+    variance widened by each engine's own offset from its scheme (sd
+    ``instance_sd`` each, independent)."""
     d = np.log(a) - np.log(b)
-    se = float(d.std(ddof=1)) / math.sqrt(d.size)
+    se = math.sqrt(float(d.var(ddof=1)) / d.size + 2 * instance_sd ** 2)
     return float(d.mean()) + float(stats.t.ppf(1.0 - level, d.size - 1)) * se
 
 
 def claim(qualified: list[str], retimed: Retimed | None, alpha: float, tie_break: str = "latency",
-          rank: dict[str, float] | None = None) -> Claim | None:
+          rank: dict[str, float] | None = None, instance_sd: float = 0.0) -> Claim | None:
     """The latency claim among ``qualified`` (point names) from ``retimed``;
     None when none of them was re-timed. ``rank``: name -> the tie-break's
     figure (weight MiB for ``size``, bits per weight for ``bits``; lower
-    wins), required unless ``tie_break`` is ``latency``."""
+    wins), required unless ``tie_break`` is ``latency``. ``instance_sd``:
+    see :func:`upper`."""
     if retimed is None or len(retimed.rounds) < 2:
         return None
     timed = [n for n in qualified if n in retimed.names]
@@ -95,21 +104,22 @@ def claim(qualified: list[str], retimed: Retimed | None, alpha: float, tie_break
     mean_log = {n: float(np.log(col[n]).mean()) for n in timed}
     leader = min(timed, key=lambda n: (mean_log[n], n))
     tied = tuple(n for n in sorted(timed, key=lambda n: (mean_log[n], n))
-                 if n != leader and upper(col[leader], col[n], level) >= 0)
+                 if n != leader and upper(col[leader], col[n], level, instance_sd) >= 0)
     pool = [leader, *tied]
     pick = leader if tie_break == "latency" else min(pool, key=lambda n: (rank[n], mean_log[n], n))
     others = [n for n in timed if n != pick]
-    within = max((math.expm1(upper(col[pick], col[n], level)) for n in others), default=math.nan)
+    within = max((math.expm1(upper(col[pick], col[n], level, instance_sd)) for n in others), default=math.nan)
     ratio = {n: math.exp(mean_log[n] - mean_log[pick]) for n in timed}
     return Claim(pick, leader, tied, within, ratio, level, len(retimed.rounds),
-                 tuple(n for n in qualified if n not in retimed.names))
+                 tuple(n for n in qualified if n not in retimed.names), instance_sd)
 
 
 def claim_lines(c: Claim, tie_break: str) -> list[str]:
     """The report's lines under a budget's pick: what the re-timing shows."""
     others = ", ".join(f"{n} x{c.ratio[n]:.3f}" for n in sorted(c.ratio, key=lambda n: (c.ratio[n], n))
                        if n != c.pick)
-    design = f"re-timed side by side, {c.rounds} interleaved rounds, each comparison at error {c.level:.3g}"
+    design = f"re-timed side by side, {c.rounds} interleaved rounds, each comparison at error {c.level:.3g}" + (
+        f", allowing each engine {c.instance_sd:.1%} off its scheme's speed" if c.instance_sd else "")
     if not others:
         lines = [f"  - the only qualified point re-timed ({design})"]
     elif c.within < 0:

@@ -85,11 +85,17 @@ def decided(lower: float, upper_: float, budgets: Sequence[float]) -> bool:
     return all(upper_ <= b or lower > b for b in budgets)
 
 
-def mean_bounds(diffs: np.ndarray, windows: int, alpha: float) -> tuple[float, float]:
+def mean_bounds(diffs: np.ndarray, windows: int, alpha: float,
+                clusters: Sequence | None = None) -> tuple[float, float]:
     """One-sided ``1 - alpha`` lower and upper bounds of the mean of per-token
     differences over ``windows`` equal windows (a t-interval on the window
-    means, see :mod:`quantlab.uncertainty`; unbounded below ``MIN_UNITS``)."""
+    means, see :mod:`quantlab.uncertainty`; unbounded below ``MIN_UNITS``);
+    with ``clusters`` (each window's article), cluster-robust over them, the
+    articles the units."""
     mean = float(np.mean(diffs))
-    se = uncertainty.unit_stderr(diffs, windows)
-    hi = uncertainty.unit_upper(mean, se, windows, alpha)
+    if clusters is not None:
+        se, units = uncertainty.cluster_stderr(uncertainty.group_means(diffs, windows), clusters)
+    else:
+        se, units = uncertainty.unit_stderr(diffs, windows), windows
+    hi = uncertainty.unit_upper(mean, se, units, alpha)
     return 2 * mean - hi, hi

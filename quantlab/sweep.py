@@ -120,7 +120,7 @@ def _declared(config: DictConfig) -> dict[str, str]:
     return {t["metric"]: d.metric, t["budgets"]: ",".join(f"{float(b):g}" for b in d.budgets),
             t["alpha"]: f"{float(d.alpha):g}", t["latency_share"]: f"{float(d.latency_share):g}",
             t["retime_rounds"]: str(d.retime_rounds), t["retime_points"]: str(d.retime_points),
-            t["tie_break"]: d.tie_break}
+            t["tie_break"]: d.tie_break, t["retime_instance_sd"]: f"{float(d.retime_instance_sd):g}"}
 
 
 def _log_recovery(tracker: tracking.Tracker, parent: str, runs, reused, choice: str) -> None:

@@ -20,6 +20,7 @@ from quantlab.probes import perplexity
 from quantlab.schemes.qlinear import FP8Linear, Int4Linear, Int8DynLinear, Int8Linear, dequantized
 from quantlab.schemes.registry import ApplyContext, weights_handler
 from tests.conftest import SHARED_DATA, compose_cfg, run_cli, tracker
+from tests.test_vllm import REAL, TINY, needs_vllm
 
 pytest.importorskip("compressed_tensors")
 
@@ -165,7 +166,7 @@ def test_an_artifact_beside_its_original_in_one_sweep(ct, store):
     equals plain transformers' on the same windows within the printed se."""
     if not (SHARED_DATA / "wikitext-2-raw").is_dir():
         pytest.skip("needs the WikiText-2 data (QUANTLAB_DATA_DIR)")
-    r = run_cli(["-m", f"model=hf", f"model.path={ct['float']},{ct['w4a16-g32']}", "scheme/weights=fp32,as-is",
+    r = run_cli(["-m", "model=hf", f"model.path={ct['float']},{ct['w4a16-g32']}", "scheme/weights=fp32,as-is",
                  f"reference.path={ct['float']}", "probe=smoke",
                  "probe.perplexity.enabled=true", "probe.perplexity.window=128", "probe.perplexity.max_windows=16",
                  "probe.perplexity.adaptive=false", "probe.latency.enabled=false",
@@ -307,3 +308,42 @@ def test_a_gguf_quant_under_another_scheme_is_tagged_as_dequantized(gguf_quant, 
     assert res.outcome == "finished", res.reason
     run = tracker(store[0].split("=", 1)[1]).client.get_run(res.run_id)
     assert run.data.tags[artifacts.DEQUANTIZED_TAG].startswith("GGUF Q4_K_M: ")
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_serves_an_as_is_artifact_from_its_own_folder(tmp_path):
+    """A bf16 W4A16 g32 checkpoint written by compressed-tensors (the tiny
+    model at vLLM's CPU head size), as-is on target=vllm beside target=cpu:
+    vLLM serves the artifact's folder itself (no export), the served model
+    agrees with quantlab's rebuild of the same integers (parity/*) and both
+    lose about the same against the float original; on a CPU without
+    AVX512-BF16 the vLLM point is skipped with its reason."""
+    from quantlab import hardware
+
+    model, tok = models.load(compose_cfg(TINY).model, "~/.cache/quantlab")
+    model = model.to(torch.bfloat16)
+    model.config.torch_dtype = torch.bfloat16
+    model.save_pretrained(tmp_path / "float")
+    tok.save_pretrained(tmp_path / "float")
+    art = quantize(model, tok, "w4a16-g32", tmp_path / "w4a16")
+    uri = f"sqlite:///{tmp_path}/m.db"
+    r = run_cli(["-m", "model=hf", f"model.path={art}", "scheme/weights=as-is", f"reference.path={tmp_path / 'float'}",
+                 "target=cpu,vllm", f"target.python={REAL}", "target.logprobs_topk=0", "target.max_model_len=1024",
+                 "probe=smoke", "probe.latency.new_tokens=8", "probe.latency.repeats=2", "probe.latency.stages=false",
+                 f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a", f"cache_dir={tmp_path}/c"],
+                timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = tracker(uri)
+    runs = {x.info.run_name: x.data for x in t.client.search_runs([t.experiment_id])
+            if x.data.tags.get(point.ROLE_TAG) != point.ROLE_SWEEP}
+    cpu, served = runs["as-is-w4a16-g32@cpu"], runs["as-is-w4a16-g32@vllm"]
+    assert cpu.tags[point.OUTCOME_TAG] == "finished", cpu.tags.get(point.REASON_TAG)
+    if "avx512_bf16" not in hardware.cpu_flags():
+        assert served.tags[point.OUTCOME_TAG] == "skipped" and "AVX512_BF16" in served.tags[point.REASON_TAG]
+        return
+    assert served.tags[point.OUTCOME_TAG] == "finished", served.tags.get(point.REASON_TAG)
+    assert "the artifact's own folder" in served.tags["support.reason"] and served.tags["emulated"] == "false"
+    assert served.metrics["compile/vllm_export_s"] < 1.0  # nothing written: the folder is served
+    assert served.metrics["parity/kl_mean"] < served.metrics["fid/kl_mean"] / 10
+    assert served.metrics["fid/kl_mean"] == pytest.approx(cpu.metrics["fid/kl_mean"], rel=0.5)

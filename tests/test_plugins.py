@@ -200,3 +200,18 @@ def test_an_out_of_tree_scheme_and_target_run_a_sweep(tmp_path):
     assert m["lat/tpot_ms_p50"] > 0 and m["compile/warmup_s"] > 0  # timed through the plugin engine
     assert skipped.data.tags["quantlab.outcome"] == "skipped"
     assert skipped.data.tags["quantlab.reason"] == "cpu_nocache keeps no KV cache to quantize"
+
+
+def test_a_section_is_module_function_at_a_place_and_one_that_cannot_load_is_one_line(tmp_path, monkeypatch):
+    from quantlab import metric_names, report
+    from quantlab.errors import UserError
+    from quantlab.metric_names import ProbeSpec, Section, SectionView
+
+    for bad in (dict(function="nocolon"), dict(function="m:f", place="middle")):
+        with pytest.raises(ValueError, match="a 'module:function' and a place of body, end"):
+            Section(**bad)
+    monkeypatch.setattr(metric_names, "declared", lambda: (ProbeSpec("gone", sections=(Section("no_such_mod:f"),)),))
+    view = SectionView([], tmp_path, "t", lambda r, name: None)
+    with pytest.raises(UserError, match="report section 'no_such_mod:f' cannot be loaded: No module named"):
+        report.probe_sections(view, "body")
+    assert report.probe_sections(view, "end") == ([], [])

@@ -239,6 +239,33 @@ def test_support_is_decided_per_scheme_cache_and_host(monkeypatch):
         assert gpu.supports(w(on_gpu), NoKV()).status == "real", on_gpu
 
 
+def test_an_as_is_artifact_is_served_from_its_own_folder_where_vllm_has_its_kernel(monkeypatch):
+    """A compressed-tensors checkpoint made elsewhere: decided from its kernel
+    as quantlab's own formats are (int4 with AVX512-BF16, W8A8 anywhere, no
+    8-bit weight-only or FP8 on the CPU build); a GGUF or a calibrated KV
+    cache (its scales would have to be written into the artifact) is not."""
+    from quantlab import hardware
+    from quantlab.schemes.configs import AsIsScheme
+
+    t = targets.get(VllmTargetConfig(python=FAKE))
+
+    def art(kernel, family="compressed-tensors"):
+        return AsIsScheme(family=family, label=f"x-{kernel}", kernel=kernel)
+    monkeypatch.setattr(hardware, "cpu", lambda: Hardware("cpu", "AMD EPYC", frozenset({"avx2"})))
+    assert t.supports(art("int8-dyn"), NoKV()).status == "real"
+    assert "AVX512_BF16" in t.supports(art("int4"), NoKV()).reason
+    monkeypatch.setattr(hardware, "cpu", lambda: Hardware("cpu", "Xeon", frozenset({"avx512_bf16"})))
+    v = t.supports(art("int4"), NoKV())
+    assert v.status == "real" and "the artifact's own folder" in v.reason
+    assert "no 8-bit weight-only kernel" in t.supports(art("int8"), NoKV()).reason
+    assert "not known to run" in t.supports(art("fp8-dyn"), NoKV()).reason
+    assert "not known to run" in t.supports(art("dequantized"), NoKV()).reason
+    assert "target=llamacpp" in t.supports(art("llama.cpp", "gguf"), NoKV()).reason
+    assert t.supports(art("int4"), compose_cfg(["scheme/kv=fp8"]).scheme.kv).status == "real"
+    cal = t.supports(art("int4"), compose_cfg(["scheme/kv=fp8-cal"]).scheme.kv)
+    assert cal.status == "unsupported" and "served unchanged" in cal.reason
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), k=st.integers(1, 12), sharp=st.floats(0.1, 4.0))
 def test_top_k_kl_is_a_lower_bound_and_exact_at_the_whole_vocabulary(seed, k, sharp):

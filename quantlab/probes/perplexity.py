@@ -138,13 +138,15 @@ class Stopped:
 
 
 def adaptive_nll(engine, wins: torch.Tensor, ref_nll: np.ndarray, chunk: int, budgets: Sequence[float],
-                 alpha: float, score_all: bool = False, progress: Callable[[str], None] = lambda _: None) -> Stopped:
+                 alpha: float, score_all: bool = False, progress: Callable[[str], None] = lambda _: None,
+                 articles: Sequence | None = None) -> Stopped:
     """Score ``wins`` (the cap, in their random draw order) ``chunk`` windows
     a look, the first look at ``MIN_UNITS`` windows; after each look, bound
     the loss ``1 - PPL(reference) / PPL(point)`` on the windows so far
     (paired per-token NLL differences against ``ref_nll``, t on window means,
-    each look at its share of ``alpha``: :mod:`quantlab.sequential`) and stop
-    once every budget is decided. ``score_all``: score the cap whatever the
+    cluster-robust over the windows' ``articles`` where given, each look at
+    its share of ``alpha``: :mod:`quantlab.sequential`) and stop once every
+    budget is decided. ``score_all``: score the cap whatever the
     bounds say (the sweep's baseline candidates: every other point is paired
     against their tokens)."""
     cap = len(wins)
@@ -155,7 +157,7 @@ def adaptive_nll(engine, wins: torch.Tensor, ref_nll: np.ndarray, chunk: int, bu
         before = n
         nll = np.concatenate(parts)
         diffs = (nll - ref_nll[:n]).ravel()
-        d_lo, d_hi = sequential.mean_bounds(diffs, n, level)
+        d_lo, d_hi = sequential.mean_bounds(diffs, n, level, None if articles is None else articles[:n])
         run_lo, run_hi = max(run_lo, decision.relative(d_lo)), min(run_hi, decision.relative(d_hi))
         lo, hi = sequential.effective(run_lo, run_hi, decision.relative(float(diffs.mean())))
         progress(f"{n}/{cap} windows: loss against the reference in [{lo:.4f}, {hi:.4f}] (level {level:.2g})")

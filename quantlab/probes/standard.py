@@ -79,7 +79,8 @@ class PerplexityProbe:
                                                    ppl.max_windows, cfg.draws_seed)
         ctx.log("perplexity probe (%d windows of %d tokens, %s%s)", len(wins), ppl.window,
                 "the whole split" if ppl.max_windows is None else "drawn at random", ", adaptive" if ppl.adaptive else "")
-        nll = self._adaptive(ctx, wins, metric, out) if ppl.adaptive else perplexity.token_nll(ctx.engine, wins)
+        nll = self._adaptive(ctx, wins, metric, out, articles) if ppl.adaptive else \
+            perplexity.token_nll(ctx.engine, wins)
         out.metrics.update(perplexity.summary(nll, metric, articles))
         out.items[metric] = [round(float(x), 5) for x in nll.ravel()]
         if articles is not None:  # the windows scored (an adaptive point: a prefix of the draw)
@@ -99,8 +100,9 @@ class PerplexityProbe:
             perplexity.token_nll(ctx.engine_for_reference(), wins))).numpy()
 
     @staticmethod
-    def _adaptive(ctx: ProbeContext, wins: torch.Tensor, metric: str, out: ProbeResult):
-        """Where the point could stop early (not a baseline candidate), logs
+    def _adaptive(ctx: ProbeContext, wins: torch.Tensor, metric: str, out: ProbeResult, articles: list | None):
+        """Bounds over the windows' ``articles`` (the report's unit). Where
+        the point could stop early (not a baseline candidate), logs
         ``<metric>_adaptive_cap`` / ``_adaptive_chunk``: the report's
         sequential bound reads them. A point identical to the reference
         (:meth:`ProbeContext.identical_to_reference`) takes the reference's
@@ -113,7 +115,8 @@ class PerplexityProbe:
             return ref
         baseline = ctx.baseline_candidate()
         st = perplexity.adaptive_nll(ctx.engine, wins, ref, ppl.adaptive_chunk, ppl.adaptive_budgets,
-                                     ppl.adaptive_alpha, baseline, lambda line: ctx.log("perplexity: %s", line))
+                                     ppl.adaptive_alpha, baseline, lambda line: ctx.log("perplexity: %s", line),
+                                     articles)
         ctx.log("perplexity: %s", st.reason)
         if not baseline:  # a baseline candidate's design is fixed: the report bounds it as one
             out.metrics.update({f"{metric}_adaptive_cap": float(len(wins)),

@@ -93,6 +93,7 @@ class LatencyHalf:
     alpha: float = 0.0
     tie_break: str = "latency"
     why: str = "decision.retime_rounds=0"
+    instance_sd: float = 0.0  # each engine's allowed offset from its scheme's speed (decision.retime_instance_sd)
 
 
 def with_latency(rec: Recommendation, latency: LatencyHalf,
@@ -104,7 +105,8 @@ def with_latency(rec: Recommendation, latency: LatencyHalf,
     nothing qualified. The report and :func:`quantlab.api.fastest_within` both pick through it."""
     if latency.retimed is None or rec.point is None:
         return rec, None
-    said = retime.claim([p.name for p in rec.qualified], latency.retimed, latency.alpha, latency.tie_break, figures)
+    said = retime.claim([p.name for p in rec.qualified], latency.retimed, latency.alpha, latency.tie_break, figures,
+                        latency.instance_sd)
     if said is not None and said.pick != rec.point.name:
         chosen = next(p for p in rec.qualified if p.name == said.pick)
         rec = dataclasses.replace(rec, point=chosen, margin=rec.budget - chosen.bound_at(rec.levels[chosen.name]),
@@ -230,7 +232,8 @@ def _undecided_line(p: Point, b: float, what: str, sign: float, unit: str, rec: 
 def declared(tags: dict[str, str]) -> DecisionConfig | None:
     """The decision a sweep parent recorded at launch, or None (a sweep from
     before declarations). A sweep from before re-timing was declared has
-    ``retime_rounds`` 0 and the tie-break ``latency``."""
+    ``retime_rounds`` 0 and the tie-break ``latency``; one from before the
+    instance allowance was declared allows none."""
     t = point.DECLARED_TAGS
     if not all(tags.get(t[k]) for k in ("metric", "budgets", "alpha")):
         return None
@@ -238,7 +241,8 @@ def declared(tags: dict[str, str]) -> DecisionConfig | None:
                           alpha=float(tags[t["alpha"]]), latency_share=float(tags.get(t["latency_share"], 0.5)),
                           retime_rounds=int(tags.get(t["retime_rounds"], 0)),
                           retime_points=int(tags.get(t["retime_points"], 4)),
-                          tie_break=tags.get(t["tie_break"], "latency"))
+                          tie_break=tags.get(t["tie_break"], "latency"),
+                          retime_instance_sd=float(tags.get(t["retime_instance_sd"], 0.0)))
 
 
 def post_hoc(runs, said: DecisionConfig | None, metric: str, budgets, alpha: float, base=None,
@@ -288,7 +292,8 @@ def declaration_text(said: DecisionConfig) -> str:
         return text + ", no re-timing"
     return text + (f" ({1 - said.latency_share:.0%} to the loss half, {said.latency_share:.0%} to the latency "
                    f"half), {said.retime_rounds} re-timing rounds of at most {said.retime_points} points, "
-                   f"tie-break {said.tie_break}")
+                   f"tie-break {said.tie_break}"
+                   + (f", engine-instance sd {said.retime_instance_sd:.1%}" if said.retime_instance_sd else ""))
 
 
 def latency_half(tracker: tracking.Tracker, parent_id: str, tags: dict, said: DecisionConfig | None,
@@ -301,7 +306,7 @@ def latency_half(tracker: tracking.Tracker, parent_id: str, tags: dict, said: De
     path = tracker.download(parent_id, retime.ARTIFACT)
     if path is None:
         return LatencyHalf(tie_break=tie, why=tags.get(SKIPPED_TAG, "the sweep logged no re-timing"))
-    return LatencyHalf(retime.Retimed.from_json(path.read_text()), alpha, tie)
+    return LatencyHalf(retime.Retimed.from_json(path.read_text()), alpha, tie, instance_sd=said.retime_instance_sd)
 
 
 def _loss_text(p: Point, level: float | None = None) -> str:

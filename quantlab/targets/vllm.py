@@ -16,6 +16,10 @@ weight-only kernel; the server's first real request confirms the rest (a
 kernel it lacks fails the point in one line, nothing left running). Each
 point also logs ``parity/*``: the served checkpoint against quantlab's
 in-memory point on the same tokens.
+A ``scheme/weights=as-is`` point over a compressed-tensors checkpoint made
+elsewhere is served from that checkpoint's own folder, unchanged (no
+export): the artifact measured is the one downloaded; what vLLM's CPU build
+runs is decided from the artifact's kernel as for quantlab's own formats.
 KV schemes map to ``--kv-cache-dtype`` through their ``vllm`` format mapping: ``fp8`` -> ``fp8``, with
 the calibrated cache's k_scale/v_scale written into the export (``kv_cache_scheme``) and read by vLLM, the
 prefill-scaled one at vLLM's default scale 1.0; int8 and int4 caches have no vLLM equivalent here.
@@ -72,7 +76,9 @@ class VllmTarget(Target):
         if hw is None:
             return Support("unsupported", self.missing_reason())
         m = weights_handler(weights).mapping("checkpoint", weights)
-        if not m.ok:
+        if weights.KEEPS_ARTIFACT:
+            w = _as_is(weights, hw)
+        elif not m.ok:
             w = Support("unsupported", f"vLLM serves quantlab's checkpoint export, and {m.reason}")
         elif why := _unreadable(m.spec):
             w = Support("unsupported", why)
@@ -83,7 +89,9 @@ class VllmTarget(Target):
                         else "")
         c = kv_handler(kv).mapping("vllm", kv)
         k = (Support("unsupported", c.reason) if not c.ok else
-             Support("real", _SCALES[c.spec["scales"]].format(c.spec["kv_cache_dtype"])))
+             Support("unsupported", "an as-is artifact's folder is served unchanged: calibrated KV scales cannot be "
+                                    "written into it") if weights.KEEPS_ARTIFACT and c.spec["scales"] == "checkpoint"
+             else Support("real", _SCALES[c.spec["scales"]].format(c.spec["kv_cache_dtype"])))
         return worst([w, k])
 
     def apply_weights(self, model: torch.nn.Module, weights: Any, ctx) -> Applied:
@@ -91,10 +99,15 @@ class VllmTarget(Target):
         return super().apply_weights(model, weights, ctx)
 
     def engine(self, model: torch.nn.Module, kv: Applied, tokenizer) -> VllmEngine:
-        """Export (or reuse) the point's checkpoint, then start the server on it."""
+        """Export (or reuse) the point's checkpoint, then start the server on
+        it; an as-is point's server starts on the artifact's own folder."""
         t = time.perf_counter()
-        spec = formats.mapping("checkpoint", self._weights)
-        path, cached = self._export(model, tokenizer, spec, kv.checkpoint)
+        if self._weights.KEEPS_ARTIFACT:
+            path, cached = Path(model.quantlab_artifact), True
+            spec = {"format": f"as-is {self._weights.label}", "dtype": self._weights.compute_dtype}
+        else:
+            spec = formats.mapping("checkpoint", self._weights)
+            path, cached = self._export(model, tokenizer, spec, kv.checkpoint)
         export_s = time.perf_counter() - t
         dtype = spec["dtype"] if self.cfg.dtype == "auto" else self.cfg.dtype
         args = ServerArgs(path, dtype=dtype, max_num_seqs=self.cfg.max_num_seqs,
@@ -131,6 +144,32 @@ class VllmTarget(Target):
 _SCALES = {"": "", "checkpoint": "--kv-cache-dtype {}, k_scale/v_scale calibrated, read from the checkpoint",
            "1.0": "--kv-cache-dtype {} at vLLM's scale 1.0 (no scales in the checkpoint; vLLM 0.32 computes none "
                   "from the prompt, unlike quantlab's prefill-scaled cache)"}
+
+
+# an as-is artifact's kernel (quantlab.artifacts) as the checkpoint group _cpu_blocker reads
+_AS_IS_GROUPS = {"int4": {"format": "pack-quantized", "args": {"num_bits": 4}},
+                 "int8": {"format": "pack-quantized", "args": {"num_bits": 8}},
+                 "int8-dyn": {"format": "int-quantized", "args": {"num_bits": 8},
+                              "input_activations": {"num_bits": 8, "type": "int"}},
+                 "fp8": {"format": "float-quantized", "args": {"num_bits": 8}},
+                 "fp8-dyn": {"format": "float-quantized", "args": {"num_bits": 8}}}
+
+
+def _as_is(weights: Any, hw: Hardware) -> Support:
+    """Whether vLLM serves an as-is artifact's folder on ``hw``: a
+    compressed-tensors checkpoint whose kernel vLLM's build has (on the CPU,
+    :func:`_cpu_blocker` on the group its kernel stands for; a format quantlab
+    only dequantizes is not known to run there)."""
+    if weights.family != "compressed-tensors":
+        return Support("unsupported", f"as-is {weights.label or ''}: vLLM serves a compressed-tensors checkpoint's "
+                                      "folder here (a GGUF runs on target=llamacpp)")
+    if hw.device == "cpu":
+        group = _AS_IS_GROUPS.get(weights.kernel)
+        why = _cpu_blocker(group, hw) if group else (f"as-is {weights.label}: its format is not known to run on "
+                                                     "vLLM's CPU build (not tried here)")
+        if why:
+            return Support("unsupported", why)
+    return Support("real", f"vLLM on the artifact's own folder (compressed-tensors {weights.label})")
 
 
 def _unreadable(spec: dict) -> str:
