@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decision_calibration import share  # noqa: E402
 
-from quantlab import retime, uncertainty  # noqa: E402
+from quantlab import retime  # noqa: E402
 from quantlab.pareto import Point, fastest_within  # noqa: E402
 
 GAPS = (0.0, 0.01, 0.02, 0.03, 0.04, 0.06)
