@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--designs", default=",".join(DEFAULT_DESIGNS), help=f"of {', '.join(DESIGNS)}")
     ap.add_argument("--article-designs", default="fixed64,adaptive64",
                     help="the designs of the articles-differ rows (fixed64, adaptive64; '' for none)")
+    ap.add_argument("--article-shifts", default=",".join(f"{x:g}" for x in ARTICLE_SHIFTS),
+                    help="the articles' shift sds (nats) of the articles-differ rows")
     ap.add_argument("--article-units", default="windows,articles",
                     help="the articles-differ rows' bounds: windows (the unit before), articles (the report's)")
     ap.add_argument("--no-other", action="store_true", help="perplexity only (no top-1 or accuracy rows)")
@@ -264,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             power5.append(cells[2][0])
     article_designs = [d for d in args.article_designs.split(",") if d]
     units = [u == "articles" for u in args.article_units.split(",") if u]
-    for adesign, shift, tau, clustered, budget in itertools.product(article_designs, ARTICLE_SHIFTS, ARTICLE_TAUS,
+    shifts = [float(x) for x in args.article_shifts.split(",") if x]
+    for adesign, shift, tau, clustered, budget in itertools.product(article_designs, shifts, ARTICLE_TAUS,
                                                                      units, BUDGETS):
         cells = [rate(lambda m=m: article_loss(rng, budget, m, shift, clustered, tau=tau, design=adesign), budget,
                       args.trials) for m in MULTIPLES]

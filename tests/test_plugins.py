@@ -91,7 +91,7 @@ def test_a_plugin_probes_metric_is_a_report_column_and_decides_a_budget(tmp_path
     # its own section, after the decision, one row a point
     section = text[text.index("Nonzero weights:"):]
     assert text.index("Decision rule") < text.index("Nonzero weights:")
-    assert {line.split(" | ")[0] for line in section.splitlines()[4:6]} == {"| fp32", "| int8"}, section[:600]
+    assert {line.split(" | ")[0] for line in section.splitlines()[4:6]} == {"| fp32@cpu", "| int8@cpu"}, section[:600]
 
 
 def test_a_plugin_probes_bad_setting_or_undeclared_metric_is_refused_in_one_line(tmp_path):
