@@ -106,11 +106,15 @@ def compare(metric: str, items: dict, base_items: dict) -> Paired | None:
                   clusters=articles(metric, items, base_items) if tokens else None)
 
 
-def articles(metric: str, items: dict, base_items: dict) -> list | None:
+def articles(metric: str, items: dict, base_items: dict, first: int | None = None) -> list | None:
     """Each window's article (``articles/<metric>``), where both runs logged
     the same: the cluster a bound over "articles like these" resamples;
-    None otherwise (the window is the unit)."""
+    None otherwise (the window is the unit). ``first``: of the first that
+    many windows only, where both logged at least that many alike (an
+    adaptive point logs a prefix of the baseline's draw)."""
     a, b = items.get(f"{ARTICLES}{metric}"), base_items.get(f"{ARTICLES}{metric}")
+    if first is not None:
+        a, b = (a[:first], b[:first]) if a and b and min(len(a), len(b)) >= first else (None, None)
     return a if a and a == b else None
 
 
@@ -291,10 +295,11 @@ def _sequential(metric: str, metrics: dict, items: dict, base_metrics: dict, bas
     looks = [n for n in sequential.schedule(cap, chunk, uncertainty.MIN_UNITS) if n <= common]
     if not looks:
         return None
-    arts = _shared_prefix(items.get(f"{ARTICLES}{metric}"), base_items.get(f"{ARTICLES}{metric}"), common)
+    arts = articles(metric, items, base_items, common)
     pairs = {n: uncertainty.paired(a[:n * per_window], b[:n * per_window], windows=n,
                                    clusters=None if arts is None else arts[:n]) for n in looks}
     diff = pairs[looks[-1]].diff
+
     def look_upper(n: int, level: float) -> float:
         return uncertainty.unit_upper(pairs[n].diff, pairs[n].stderr, pairs[n].units, level)
 
@@ -303,12 +308,6 @@ def _sequential(metric: str, metrics: dict, items: dict, base_metrics: dict, bas
         relative(diff), _clamp(lambda al: relative(sequential.upper(al, looks, cap, look_upper, diff))),
         f"anytime-valid over {_looks_text(looks, 'windows', cap)}, {unit}"
         + _crossed(looks, cap, look_upper, diff)), True)
-
-
-def _shared_prefix(a: list | None, b: list | None, n: int) -> list | None:
-    """The first ``n`` labels where both runs logged them alike that far
-    (an adaptive point logs a prefix of the baseline's draw); else None."""
-    return a[:n] if a and b and len(a) >= n and len(b) >= n and a[:n] == b[:n] else None
 
 
 def _looks_text(looks: list[int], unit: str, cap: int) -> str:

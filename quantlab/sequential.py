@@ -93,9 +93,6 @@ def mean_bounds(diffs: np.ndarray, windows: int, alpha: float,
     with ``clusters`` (each window's article), cluster-robust over them, the
     articles the units."""
     mean = float(np.mean(diffs))
-    if clusters is not None:
-        se, units = uncertainty.cluster_stderr(uncertainty.group_means(diffs, windows), clusters)
-    else:
-        se, units = uncertainty.unit_stderr(diffs, windows), windows
+    se, units = uncertainty.window_stderr(diffs, windows, clusters)
     hi = uncertainty.unit_upper(mean, se, units, alpha)
     return 2 * mean - hi, hi

@@ -402,7 +402,9 @@ class Tracker:
         re-timing and the report after a sweep both read them)."""
         if run_id not in self._items:
             path = self.download(run_id, ITEMS_ARTIFACT)
-            self._items[run_id] = json.loads(path.read_text()) if path is not None else {}
+            if path is None:  # none logged (yet): asked again next time
+                return {}
+            self._items[run_id] = json.loads(path.read_text())
         return self._items[run_id]
 
     def download(self, run_id: str, name: str, into: Path | None = None) -> Path | None:

@@ -89,6 +89,17 @@ def unit_stderr(x: Sequence[float] | np.ndarray, groups: int) -> float:
     return mean_stderr(group_means(x, groups))
 
 
+def window_stderr(x: Sequence[float] | np.ndarray, windows: int,
+                  clusters: Sequence | None = None) -> tuple[float, int]:
+    """``(standard error of the mean, units)`` of per-token values ``x`` scored
+    on ``windows`` equal windows: the windows the units, or, with
+    ``clusters`` (each window's article), cluster-robust over them
+    (:func:`cluster_stderr`), the clusters the units."""
+    if clusters is not None:
+        return cluster_stderr(group_means(x, windows), clusters)
+    return unit_stderr(x, windows), windows
+
+
 def cluster_stderr(x: Sequence[float] | np.ndarray, clusters: Sequence) -> tuple[float, int]:
     """``(standard error of the mean of the units x, number of clusters)``,
     cluster-robust by the jackknife over clusters (CR3: the spread of the
@@ -223,10 +234,8 @@ def paired(point: Sequence[float], base: Sequence[float], binary: bool = False, 
     if a.shape != b.shape or a.size == 0:
         raise ValueError(f"paired comparison needs equal, non-empty item lists ({a.size} vs {b.size})")
     d = a - b
-    if windows and clusters is not None:
-        se, units = cluster_stderr(group_means(d, windows), clusters)
-    elif windows:
-        se, units = unit_stderr(d, windows), windows
+    if windows:
+        se, units = window_stderr(d, windows, clusters)
     else:
         se, units = block_stderr(d) if tokens else (mean_stderr(d), int(d.size))
     if binary:

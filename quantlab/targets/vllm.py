@@ -75,8 +75,8 @@ class VllmTarget(Target):
         hw = self.hardware()
         if hw is None:
             return Support("unsupported", self.missing_reason())
-        m = weights_handler(weights).mapping("checkpoint", weights)
-        if weights.KEEPS_ARTIFACT:
+        m = None if weights.KEEPS_ARTIFACT else weights_handler(weights).mapping("checkpoint", weights)
+        if m is None:
             w = _as_is(weights, hw)
         elif not m.ok:
             w = Support("unsupported", f"vLLM serves quantlab's checkpoint export, and {m.reason}")
@@ -88,10 +88,13 @@ class VllmTarget(Target):
             w = Support("real", f"vLLM on compressed-tensors {m.spec['format']}" if m.spec["format"] != "hf"
                         else "")
         c = kv_handler(kv).mapping("vllm", kv)
-        k = (Support("unsupported", c.reason) if not c.ok else
-             Support("unsupported", "an as-is artifact's folder is served unchanged: calibrated KV scales cannot be "
-                                    "written into it") if weights.KEEPS_ARTIFACT and c.spec["scales"] == "checkpoint"
-             else Support("real", _SCALES[c.spec["scales"]].format(c.spec["kv_cache_dtype"])))
+        if not c.ok:
+            k = Support("unsupported", c.reason)
+        elif m is None and c.spec["scales"] == "checkpoint":
+            k = Support("unsupported", "an as-is artifact's folder is served unchanged: calibrated KV scales cannot "
+                                       "be written into it")
+        else:
+            k = Support("real", _SCALES[c.spec["scales"]].format(c.spec["kv_cache_dtype"]))
         return worst([w, k])
 
     def apply_weights(self, model: torch.nn.Module, weights: Any, ctx) -> Applied:
