@@ -116,9 +116,9 @@ class LlamaCppEngine(Engine):
     def _clear(self) -> None:
         self._lc.llama_memory_clear(self._lc.llama_get_memory(self.llm.ctx), True)
 
-    def _forward(self, ids: list[int], start: int, all_logits: bool) -> torch.Tensor:
+    def _forward(self, ids: list[int], start: int, all_logits: bool) -> np.ndarray:
         """Decode ``ids`` at ``start`` (n_batch at a time); logits ``[1, k, V]`` of
-        the last token (prefill) or of every token."""
+        the last token (prefill) or of every token, as a numpy array (a copy)."""
         if start == 0:
             self._clear()
         if start + len(ids) > self.max_length:
@@ -132,18 +132,21 @@ class LlamaCppEngine(Engine):
             if all_logits or s + len(chunk) == len(ids):
                 ptr = self.llm._ctx.get_logits()
                 rows.append(np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab)).copy())
-        return torch.from_numpy(np.concatenate(rows)[None])
+        return (rows[0] if len(rows) == 1 else np.concatenate(rows))[None]
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self._forward(row.tolist(), 0, True) for row in ids])
+        return torch.cat([torch.from_numpy(self._forward(row.tolist(), 0, True)) for row in ids])
 
     def decode(self, prompt: torch.Tensor, n_new: int, clock=None, choose=greedy, record=None) -> Decoded:
+        """Greedy (or ``choose``) decoding with numpy logits between steps: a
+        torch op per token would wake torch's own thread pool beside
+        llama.cpp's, which costs a few percent of TPOT on a small host."""
         if prompt.shape[0] != 1:
             raise UserError(f"llamacpp: the engine decodes one sequence; probe.latency.batch_size={prompt.shape[0]} "
                             "(and grid_batch_sizes) must be 1 on this target")
 
-        def forward(ids, start: int) -> torch.Tensor:
-            return self._forward([int(t) for t in np.asarray(ids).reshape(-1)], start, start > 0)
+        def forward(ids, start: int) -> np.ndarray:
+            return self._forward(np.asarray(ids).reshape(-1).tolist(), start, start > 0)
 
         out = decode_loop(forward, prompt, n_new, clock or self.clock(), choose, record)
         out.kv_bytes = int(self._lc.llama_state_seq_get_size(self.llm.ctx, 0))
