@@ -17,13 +17,19 @@ What quantlab runs as itself:
 * any other weight-only compressed-tensors format (NVFP4A16, MXFP4,
   FP8 blocks, int4 channels): the weights compressed-tensors decompresses,
   tagged emulated (``dequantized``);
+* GPTQ (``gptq``/``gptq_v2`` layouts, 4 or 8 bits) and AWQ (``gemm``)
+  checkpoints, read by :mod:`quantlab.gptq_awq` (no GPTQ/AWQ library): 4-bit
+  with groups of 32-256 on quantlab's int4 kernel from the checkpoint's own
+  integers, zeros and scales (``int4``; a GPTQ layer in activation order
+  whose groups are not contiguous stays dequantized), anything else as the
+  weights dequantize (``dequantized``);
 * a GGUF whose tensor types gguf-py dequantizes: the file itself on
   llama.cpp, its tensors dequantized per type on the PyTorch targets
   (emulated latency, exact weights).
 
 Everything else (activation formats other than those above, a quantized KV
-cache, sparsity, transforms, GPTQ/AWQ/bitsandbytes configs) is named in one
-line by :func:`read`'s ``unsupported``.
+cache, sparsity, transforms, 2/3-bit GPTQ, AWQ's gemv layouts, bitsandbytes
+configs) is named in one line by :func:`read`'s ``unsupported``.
 """
 from __future__ import annotations
 
@@ -35,13 +41,15 @@ from typing import Any
 from quantlab import model_files
 
 FLOAT_GGML = ("F32", "F16", "BF16", "F64")
+READS = ("quantlab reads compressed-tensors (llm-compressor, ModelOpt's compressed-tensors export), GPTQ (4/8-bit), "
+         "AWQ (gemm) checkpoints and GGUF files as they are")
 # on a point whose model is a GGUF quant taken as a float model (its dequantized weights): what the file was
 DEQUANTIZED_TAG = "model.dequantized_from"
 
 
 @dataclasses.dataclass(frozen=True)
 class Artifact:
-    family: str  # "compressed-tensors" | "gguf"
+    family: str  # "compressed-tensors" | "gptq" | "awq" | "gguf"
     label: str  # short, for a point's name: "w4a16-g32", "fp8-dynamic", "Q4_K_M"
     description: str  # in words, for tags and messages
     kernel: str  # int4 | int8 | int8-dyn | fp8 | fp8-dyn | dequantized | llama.cpp
@@ -83,11 +91,11 @@ def _gguf(path: Path) -> Artifact | None:
 
 
 def _compressed_tensors(q: dict) -> Artifact:
-    method = str(q.get("quant_method", "unknown"))
+    method = str(q.get("quant_method", "unknown")).lower()
+    if method in ("gptq", "awq"):
+        return _gptq_awq(q, method)
     if method != "compressed-tensors":
-        return Artifact(method, method, f"{method} checkpoint", "", f"a {method} checkpoint: quantlab reads "
-                        "compressed-tensors checkpoints (llm-compressor, ModelOpt's compressed-tensors export) and "
-                        "GGUF files as they are")
+        return Artifact(method, method, f"{method} checkpoint", "", f"a {method} checkpoint: {READS}")
     for key, what in (("kv_cache_scheme", "a quantized KV cache"), ("sparsity_config", "sparsity"),
                       ("transform_config", "transforms (rotations)")):
         if q.get(key):
@@ -107,6 +115,67 @@ def _compressed_tensors(q: dict) -> Artifact:
     ignore = q.get("ignore") or []
     return Artifact(method, label, f"compressed-tensors {fmt}: {label}"
                     f"{' (not ' + ', '.join(ignore) + ')' if ignore else ''}", kernel, bad)
+
+
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A GPTQ or AWQ checkpoint's ``quantization_config``: what
+    :mod:`quantlab.gptq_awq` needs to read its packed tensors."""
+
+    method: str  # gptq | awq
+    bits: int
+    group_size: int  # -1: one group per output channel (all of K)
+    sym: bool
+    desc_act: bool  # GPTQ quantized in activation order (g_idx may permute groups)
+    zero_offset: int  # added to a stored zero: 1 for GPTQ's v1 layout, else 0
+
+    @property
+    def label(self) -> str:
+        g = f"-g{self.group_size}" if self.group_size > 0 else "-channel"
+        return (f"{self.method}-w{self.bits}{g}" + ("" if self.sym or self.method == "awq" else "-asym")
+                + ("-act-order" if self.desc_act else ""))
+
+
+def gptq_awq_layout(q: dict) -> tuple[Layout | None, str]:
+    """``(layout, why unsupported)`` of a GPTQ or AWQ ``quantization_config``."""
+    method = str(q.get("quant_method", "")).lower()
+    bits, group = int(q.get("bits", q.get("w_bit", 0)) or 0), int(q.get("group_size", q.get("q_group_size", -1)))
+    if method == "gptq":
+        fmt = str(q.get("checkpoint_format", "gptq"))
+        if fmt not in ("gptq", "gptq_v2"):
+            return None, f"a GPTQ checkpoint in the {fmt!r} layout: quantlab reads the gptq and gptq_v2 layouts"
+        if bits not in (4, 8):
+            return None, f"a {bits}-bit GPTQ checkpoint: quantlab reads 4- and 8-bit GPTQ (2/3 bits not yet)"
+        return Layout("gptq", bits, group, bool(q.get("sym", True)), bool(q.get("desc_act", False)),
+                      1 if fmt == "gptq" else 0), ""
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            return None, f"an AWQ checkpoint packed for {version!r}: quantlab reads AWQ's gemm layout"
+        if bits != 4 or not q.get("zero_point", True):
+            return None, f"AWQ with bits={bits}, zero_point={q.get('zero_point')}: quantlab reads 4-bit with zeros"
+        return Layout("awq", 4, group, False, False, 0), ""
+    return None, f"a {method} checkpoint"
+
+
+def gptq_awq_kernel(lay: Layout) -> str:
+    """``int4`` where quantlab's int4 kernel runs the layers as stored
+    (4 bits, a tinygemm group size; GPTQ's activation order is checked per
+    layer when the model is built), else ``dequantized``."""
+    return "int4" if lay.bits == 4 and lay.group_size in TINYGEMM_GROUPS else "dequantized"
+
+
+def _gptq_awq(q: dict, method: str) -> Artifact:
+    lay, why = gptq_awq_layout(q)
+    if lay is None:
+        return Artifact(method, method, f"{method} checkpoint", "", f"{why}; {READS}")
+    group = f"groups of {lay.group_size}" if lay.group_size > 0 else "one scale per output channel"
+    return Artifact(method, lay.label, f"{method.upper()} {lay.bits}-bit, {group}"
+                    f"{'' if lay.sym else ', zero points'}{', activation order' if lay.desc_act else ''}",
+                    gptq_awq_kernel(lay))
 
 
 def _group(g: dict, fmt: str) -> tuple[str, str, str]:

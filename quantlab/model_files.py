@@ -89,7 +89,8 @@ def parameters(cfg: Any) -> int | None:
     if local is None or not local.is_dir():
         return None
     files = sorted(local.glob("*.safetensors"))
-    return sum(_safetensors_elements(f) for f in files) if files else None
+    per_word = _packed_per_word(local)
+    return sum(_safetensors_elements(f, per_word) for f in files) if files else None
 
 
 def shape(cfg: Any):
@@ -166,12 +167,13 @@ def safetensors_size(folder: Path) -> dict[str, float]:
     (scales and zero points included) per weight they hold (a packed weight
     counted unpacked: :func:`_safetensors_elements`)."""
     files = sorted(folder.glob("*.safetensors"))
+    per_word = _packed_per_word(folder)
     n_bytes = 0.0
     for f in files:
         header, _ = _safetensors_header(f)
         n_bytes += sum(info["data_offsets"][1] - info["data_offsets"][0] for key, info in header.items()
                        if key != "__metadata__" and not key.endswith(".weight_shape"))
-    return _size(n_bytes, sum(_safetensors_elements(f) for f in files))
+    return _size(n_bytes, sum(_safetensors_elements(f, per_word) for f in files))
 
 
 def _size(n_bytes: float, weights: int) -> dict[str, float]:
@@ -270,15 +272,34 @@ _CT_AUX = ("weight_scale", "weight_zero_point", "weight_global_scale", "weight_g
            "input_scale", "input_zero_point", "input_global_scale", "k_scale", "v_scale")
 
 
-def _safetensors_elements(path: Path) -> int:
+# GPTQ's and AWQ's tensors beside a packed ``qweight``
+_GPTQ_AUX = ("qzeros", "scales", "g_idx")
+
+
+def _packed_per_word(folder: Path) -> int:
+    """Weights per int32 word of a GPTQ/AWQ checkpoint's ``qweight`` (32 / its
+    bits), 0 for any other directory."""
+    config = folder / "config.json"
+    q = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if not isinstance(q, dict) or str(q.get("quant_method", "")).lower() not in ("gptq", "awq"):
+        return 0
+    return 32 // int(q.get("bits", q.get("w_bit", 4)) or 4)
+
+
+def _safetensors_elements(path: Path, per_word: int = 0) -> int:
     """The number of weights a safetensors file holds, from its JSON header:
     a compressed-tensors packed weight counts its unpacked shape (its
-    ``weight_shape`` tensor), its scales and zero points not at all."""
+    ``weight_shape`` tensor), a GPTQ/AWQ ``qweight`` ``per_word`` weights per
+    int32 (given for such a checkpoint), scales and zero points not at all."""
     header, data_start = _safetensors_header(path)
     total = 0
     with open(path, "rb") as f:
         for name, info in header.items():
-            if name == "__metadata__" or name.rsplit(".", 1)[-1] in _CT_AUX:
+            suffix = name.rsplit(".", 1)[-1]
+            if name == "__metadata__" or suffix in _CT_AUX or (per_word and suffix in _GPTQ_AUX):
+                continue
+            if per_word and suffix == "qweight":
+                total += math.prod(info["shape"]) * per_word
                 continue
             if name.endswith(".weight_packed") and (shape := header.get(name[:-6] + "shape")):
                 start, end = shape["data_offsets"]
@@ -295,3 +316,22 @@ def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         return json.loads(f.read(size)), 8 + size
+
+
+class Tensors:
+    """A checkpoint directory's safetensors, read one tensor at a time."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self._files = [safe_open(str(f), "pt") for f in sorted(Path(folder).glob("*.safetensors"))]
+        self._where = {key: f for f in self._files for key in f.keys()}
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def has(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str):
+        return self._where[key].get_tensor(key)

@@ -25,7 +25,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from quantlab import model_files, shapes
+from quantlab import gptq_awq, model_files, shapes
 from quantlab.config import ModelConfig
 from quantlab.errors import UserError
 
@@ -89,6 +89,8 @@ def _from_pretrained(path: str, dtype, revision=None, trust_remote_code=False):
         from transformers import CompressedTensorsConfig
 
         extra["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    if local.is_dir() and gptq_awq.quantization_config(local) is not None:
+        return _from_gptq_awq(local, dtype)
     try:
         tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
         with warnings.catch_warnings():  # the checkpoint's own config is kept; only dequantize is ours
@@ -102,6 +104,19 @@ def _from_pretrained(path: str, dtype, revision=None, trust_remote_code=False):
     if quantized:
         model.quantlab_artifact = local
     return model.eval(), tok
+
+
+def _from_gptq_awq(folder: Path, dtype):
+    """A GPTQ/AWQ checkpoint directory read by :mod:`quantlab.gptq_awq`
+    (transformers would need GPTQModel or AutoAWQ for it): its packed Linears
+    dequantized, ``model.quantlab_artifact`` the directory."""
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        model = gptq_awq.load(folder, dtype)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load model {str(folder)!r}: {str(e).splitlines()[0]}") from e
+    model.quantlab_artifact = folder
+    return model, tok
 
 
 def _compressed_tensors(folder: Path) -> bool:

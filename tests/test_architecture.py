@@ -23,7 +23,7 @@ LAYERS = [
               "hardware", "contention", "decision", "config", "corpus", "ports", "resources", "plugins", "shapes",
               "model_files", "metric_names", "artifacts", "retime", "config_check", "tracking_config", "records",
               "probes.configs"]),
-    ("data", ["models", "calibration", "tracking", "tracking_server", "store_read", "plots"]),
+    ("data", ["models", "gptq_awq", "calibration", "tracking", "tracking_server", "store_read", "plots"]),
     ("schemes", ["schemes"]),
     ("serving", ["serving"]),
     ("engines", ["engines"]),

@@ -133,7 +133,7 @@ def test_paths_that_are_not_models_are_refused(tmp_path):
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
         "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
      "compressed-tensors float-quantized: fp8-a16"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq checkpoint"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "GPTQ 4-bit, groups of 128"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes checkpoint"),
 ])
 def test_a_checkpoint_quantized_elsewhere_is_refused_not_measured_as_float(quantization_config, words, tmp_path):

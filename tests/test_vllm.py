@@ -240,10 +240,11 @@ def test_support_is_decided_per_scheme_cache_and_host(monkeypatch):
 
 
 def test_an_as_is_artifact_is_served_from_its_own_folder_where_vllm_has_its_kernel(monkeypatch):
-    """A compressed-tensors checkpoint made elsewhere: decided from its kernel
-    as quantlab's own formats are (int4 with AVX512-BF16, W8A8 anywhere, no
-    8-bit weight-only or FP8 on the CPU build); a GGUF or a calibrated KV
-    cache (its scales would have to be written into the artifact) is not."""
+    """A compressed-tensors, GPTQ or AWQ checkpoint made elsewhere: decided
+    from its kernel as quantlab's own formats are (int4 with AVX512-BF16, W8A8
+    anywhere, no 8-bit weight-only or FP8 on the CPU build; asymmetric GPTQ
+    not at all); a GGUF or a calibrated KV cache (its scales would have to
+    be written into the artifact) is not."""
     from quantlab import hardware
     from quantlab.schemes.configs import AsIsScheme
 
@@ -254,6 +255,7 @@ def test_an_as_is_artifact_is_served_from_its_own_folder_where_vllm_has_its_kern
     monkeypatch.setattr(hardware, "cpu", lambda: Hardware("cpu", "AMD EPYC", frozenset({"avx2"})))
     assert t.supports(art("int8-dyn"), NoKV()).status == "real"
     assert "AVX512_BF16" in t.supports(art("int4"), NoKV()).reason
+    assert "AVX512_BF16" in t.supports(art("int4", "awq"), NoKV()).reason
     monkeypatch.setattr(hardware, "cpu", lambda: Hardware("cpu", "Xeon", frozenset({"avx512_bf16"})))
     v = t.supports(art("int4"), NoKV())
     assert v.status == "real" and "the artifact's own folder" in v.reason
@@ -261,6 +263,11 @@ def test_an_as_is_artifact_is_served_from_its_own_folder_where_vllm_has_its_kern
     assert "not known to run" in t.supports(art("fp8-dyn"), NoKV()).reason
     assert "not known to run" in t.supports(art("dequantized"), NoKV()).reason
     assert "target=llamacpp" in t.supports(art("llama.cpp", "gguf"), NoKV()).reason
+    for family in ("gptq", "awq"):  # vLLM's own GPTQ/AWQ loaders, the same CPUWNA16 kernel
+        assert t.supports(art("int4", family), NoKV()).status == "real"
+        assert "not known to run" in t.supports(art("dequantized", family), NoKV()).reason
+    asym = AsIsScheme(family="gptq", label="gptq-w4-g32-asym", kernel="int4")
+    assert "symmetric GPTQ only" in t.supports(asym, NoKV()).reason
     assert t.supports(art("int4"), compose_cfg(["scheme/kv=fp8"]).scheme.kv).status == "real"
     cal = t.supports(art("int4"), compose_cfg(["scheme/kv=fp8-cal"]).scheme.kv)
     assert cal.status == "unsupported" and "served unchanged" in cal.reason

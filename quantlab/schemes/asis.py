@@ -1,5 +1,9 @@
 """``scheme/weights=as-is``: a checkpoint quantized elsewhere, kept as made.
 
+GPTQ / AWQ: the model arrives with its packed Linears dequantized
+(:func:`quantlab.gptq_awq.load`); each is rebuilt on quantlab's int4 kernel
+from the checkpoint's own integers, zero points and scales.
+
 compressed-tensors: the model arrives dequantized by compressed-tensors
 (:func:`quantlab.models.load`); each quantized Linear is then rebuilt from the
 checkpoint's own tensors (codes unpacked with compressed-tensors'
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from quantlab import model_files, point
+from quantlab import artifacts, gptq_awq, model_files, point
 from quantlab.hardware import Hardware
 from quantlab.schemes import layers
 from quantlab.schemes.configs import AsIsScheme
@@ -43,10 +47,10 @@ def support(cfg: AsIsScheme, hw: Hardware) -> Support:
         return Support("unsupported", f"a GGUF artifact on {hw.device}: runs on target=cpu (dequantized) or "
                                       "target=llamacpp (the file itself)")
     if hw.device != "cpu":
-        return Support("unsupported", f"a compressed-tensors artifact as-is on {hw.device}: built for target=cpu")
+        return Support("unsupported", f"a {cfg.family} artifact as-is on {hw.device}: built for target=cpu")
     if cfg.kernel in REAL_ON_CPU:
         return Support("real", f"{cfg.label}: the checkpoint's integers on quantlab's {cfg.kernel} kernel")
-    return Support("emulated", f"{cfg.label}: weights as compressed-tensors stores them, GEMM emulated")
+    return Support("emulated", f"{cfg.label}: weights as the {cfg.family} checkpoint dequantizes, GEMM emulated")
 
 
 def apply(model: torch.nn.Module, cfg: AsIsScheme, ctx: ApplyContext) -> Applied:
@@ -60,8 +64,11 @@ def apply(model: torch.nn.Module, cfg: AsIsScheme, ctx: ApplyContext) -> Applied
     tags = {"artifact": cfg.label, "artifact.file": folder.name}
     metrics = model_files.safetensors_size(folder)
     if cfg.kernel == "dequantized":
-        return Applied(backend="compressed-tensors dequantized (float32)", emulated=True, tags=tags, metrics=metrics)
-    tensors = _Tensors(folder)
+        return Applied(backend=f"{cfg.family} dequantized ({cfg.compute_dtype})", emulated=True, tags=tags,
+                       metrics=metrics)
+    if cfg.family in ("gptq", "awq"):
+        return _gptq_awq(model, cfg, folder, dtype, tags, metrics)
+    tensors = model_files.Tensors(folder)
     groups = _groups(folder)
     n = 0
     for name, lin in list(model.named_modules()):
@@ -80,7 +87,35 @@ def apply(model: torch.nn.Module, cfg: AsIsScheme, ctx: ApplyContext) -> Applied
     return Applied(backend=backend, emulated=cfg.kernel not in REAL_ON_CPU, tags=tags, metrics=metrics)
 
 
-def _module(name: str, lin: torch.nn.Linear, kernel: str, args, tensors: "_Tensors", dtype: torch.dtype):
+def _gptq_awq(model: torch.nn.Module, cfg: AsIsScheme, folder: Path, dtype: torch.dtype, tags: dict,
+              metrics: dict) -> Applied:
+    """Each packed Linear of a GPTQ/AWQ checkpoint rebuilt on quantlab's int4
+    kernel from its integers (``w = (q - 8) s + (8 - zero) s``); a GPTQ layer
+    in activation order whose groups are not contiguous keeps its
+    dequantized weight, and the point is then tagged emulated (it counts
+    them: ``artifact.dequantized_layers``)."""
+    lay, _ = artifacts.gptq_awq_layout(gptq_awq.quantization_config(folder))
+    tensors = model_files.Tensors(folder)
+    modules = dict(model.named_modules())
+    kept = []
+    for name in gptq_awq.quantized_names(tensors):
+        lin = modules[name]
+        p = gptq_awq.read(lay, tensors, name, lin.out_features, lin.in_features)
+        if p.contiguous_groups() != lay.group_size:
+            kept.append(name)
+            continue
+        zero = p.zero.float()
+        layers.replace(model, name, Int4Linear(p.q.int(), p.scale, (8 - zero) * p.scale, lay.group_size, lin.bias,
+                                               dtype))
+    layers.cast_parameters(model, dtype)
+    log.info("as-is: %d %s layers on the int4 kernel, %d dequantized (activation order)",
+             len(gptq_awq.quantized_names(tensors)) - len(kept), cfg.family, len(kept))
+    tags = {**tags, **prefill_tags(dtype), "artifact.dequantized_layers": str(len(kept))}
+    return Applied(backend="aten._weight_int4pack_mm_for_cpu" + (f" ({len(kept)} layers dequantized)" if kept else ""),
+                   emulated=bool(kept), tags=tags, metrics=metrics)
+
+
+def _module(name: str, lin: torch.nn.Linear, kernel: str, args, tensors: model_files.Tensors, dtype: torch.dtype):
     """quantlab's module for Linear ``name`` from the checkpoint's tensors."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
@@ -120,22 +155,6 @@ def _args_of(name: str, module: torch.nn.Module, groups):
         if is_match(name, module, targets, ignore):
             return args
     raise ValueError(f"as-is: {name} has quantized tensors in the checkpoint but no config group names it")
-
-
-class _Tensors:
-    """A checkpoint directory's safetensors, read one tensor at a time."""
-
-    def __init__(self, folder: Path):
-        from safetensors import safe_open
-
-        self._files = [safe_open(str(f), "pt") for f in sorted(folder.glob("*.safetensors"))]
-        self._where = {key: f for f in self._files for key in f.keys()}
-
-    def has(self, key: str) -> bool:
-        return key in self._where
-
-    def get(self, key: str) -> torch.Tensor:
-        return self._where[key].get_tensor(key)
 
 
 def gguf(cfg: AsIsScheme) -> Mapping:

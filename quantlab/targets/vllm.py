@@ -160,19 +160,25 @@ _AS_IS_GROUPS = {"int4": {"format": "pack-quantized", "args": {"num_bits": 4}},
 
 def _as_is(weights: Any, hw: Hardware) -> Support:
     """Whether vLLM serves an as-is artifact's folder on ``hw``: a
-    compressed-tensors checkpoint whose kernel vLLM's build has (on the CPU,
-    :func:`_cpu_blocker` on the group its kernel stands for; a format quantlab
-    only dequantizes is not known to run there)."""
-    if weights.family != "compressed-tensors":
-        return Support("unsupported", f"as-is {weights.label or ''}: vLLM serves a compressed-tensors checkpoint's "
-                                      "folder here (a GGUF runs on target=llamacpp)")
+    compressed-tensors, symmetric GPTQ or AWQ checkpoint whose kernel vLLM's
+    build has (on the CPU, :func:`_cpu_blocker` on the group its kernel
+    stands for: GPTQ/AWQ 4-bit go through the same CPUWNA16 kernel as
+    compressed-tensors' int4 groups; a format quantlab only dequantizes is
+    not known to run there)."""
+    if weights.family not in ("compressed-tensors", "gptq", "awq"):
+        return Support("unsupported", f"as-is {weights.label or ''}: vLLM serves a compressed-tensors, GPTQ or AWQ "
+                                      "checkpoint's folder here (a GGUF runs on target=llamacpp)")
+    if weights.family == "gptq" and "-asym" in weights.label:
+        return Support("unsupported", f"as-is {weights.label}: vLLM reads symmetric GPTQ only (its AutoGPTQ loader's "
+                                      "types: 4- and 8-bit sym)")
     if hw.device == "cpu":
-        group = _AS_IS_GROUPS.get(weights.kernel)
+        group = _AS_IS_GROUPS.get(weights.kernel) if weights.family == "compressed-tensors" or \
+            weights.kernel == "int4" else None
         why = _cpu_blocker(group, hw) if group else (f"as-is {weights.label}: its format is not known to run on "
                                                      "vLLM's CPU build (not tried here)")
         if why:
             return Support("unsupported", why)
-    return Support("real", f"vLLM on the artifact's own folder (compressed-tensors {weights.label})")
+    return Support("real", f"vLLM on the artifact's own folder ({weights.family} {weights.label})")
 
 
 def _unreadable(spec: dict) -> str:
