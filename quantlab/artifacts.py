@@ -23,13 +23,16 @@ What quantlab runs as itself:
   integers, zeros and scales (``int4``; a GPTQ layer in activation order
   whose groups are not contiguous stays dequantized), anything else as the
   weights dequantize (``dequantized``);
+* bitsandbytes 4-bit (NF4 / FP4, scales double-quantized or not): loaded
+  by transformers as bitsandbytes' own Linear4bit modules and run on its
+  kernels (``bnb4``);
 * a GGUF whose tensor types gguf-py dequantizes: the file itself on
   llama.cpp, its tensors dequantized per type on the PyTorch targets
   (emulated latency, exact weights).
 
 Everything else (activation formats other than those above, a quantized KV
 cache, sparsity, transforms, 2/3-bit GPTQ, AWQ's gemv layouts, bitsandbytes
-configs) is named in one line by :func:`read`'s ``unsupported``.
+8-bit) is named in one line by :func:`read`'s ``unsupported``.
 """
 from __future__ import annotations
 
@@ -42,17 +45,17 @@ from quantlab import model_files
 
 FLOAT_GGML = ("F32", "F16", "BF16", "F64")
 READS = ("quantlab reads compressed-tensors (llm-compressor, ModelOpt's compressed-tensors export), GPTQ (4/8-bit), "
-         "AWQ (gemm) checkpoints and GGUF files as they are")
+         "AWQ (gemm), bitsandbytes 4-bit checkpoints and GGUF files as they are")
 # on a point whose model is a GGUF quant taken as a float model (its dequantized weights): what the file was
 DEQUANTIZED_TAG = "model.dequantized_from"
 
 
 @dataclasses.dataclass(frozen=True)
 class Artifact:
-    family: str  # "compressed-tensors" | "gptq" | "awq" | "gguf"
+    family: str  # "compressed-tensors" | "gptq" | "awq" | "bitsandbytes" | "gguf"
     label: str  # short, for a point's name: "w4a16-g32", "fp8-dynamic", "Q4_K_M"
     description: str  # in words, for tags and messages
-    kernel: str  # int4 | int8 | int8-dyn | fp8 | fp8-dyn | dequantized | llama.cpp
+    kernel: str  # int4 | int8 | int8-dyn | fp8 | fp8-dyn | bnb4 | dequantized | llama.cpp
     unsupported: str = ""  # why quantlab cannot measure it as itself ('' when it can)
 
 
@@ -94,6 +97,8 @@ def _compressed_tensors(q: dict) -> Artifact:
     method = str(q.get("quant_method", "unknown")).lower()
     if method in ("gptq", "awq"):
         return _gptq_awq(q, method)
+    if method == "bitsandbytes":
+        return _bitsandbytes(q)
     if method != "compressed-tensors":
         return Artifact(method, method, f"{method} checkpoint", "", f"a {method} checkpoint: {READS}")
     for key, what in (("kv_cache_scheme", "a quantized KV cache"), ("sparsity_config", "sparsity"),
@@ -176,6 +181,18 @@ def _gptq_awq(q: dict, method: str) -> Artifact:
     return Artifact(method, lay.label, f"{method.upper()} {lay.bits}-bit, {group}"
                     f"{'' if lay.sym else ', zero points'}{', activation order' if lay.desc_act else ''}",
                     gptq_awq_kernel(lay))
+
+
+def _bitsandbytes(q: dict) -> Artifact:
+    """A transformers checkpoint bitsandbytes quantized: 4-bit NF4/FP4 blocks
+    (optionally with their scales quantized again), run by bitsandbytes itself."""
+    if not (q.get("load_in_4bit") or q.get("_load_in_4bit")):
+        return Artifact("bitsandbytes", "bnb-int8", "bitsandbytes 8-bit (LLM.int8)", "",
+                        f"a bitsandbytes 8-bit (LLM.int8) checkpoint: not read as-is yet; {READS}")
+    kind = str(q.get("bnb_4bit_quant_type", "fp4")).lower()
+    double = bool(q.get("bnb_4bit_use_double_quant"))
+    return Artifact("bitsandbytes", f"bnb-{kind}" + ("-dq" if double else ""),
+                    f"bitsandbytes 4-bit {kind.upper()}{', scales double-quantized' if double else ''}", "bnb4")
 
 
 def _group(g: dict, fmt: str) -> tuple[str, str, str]:

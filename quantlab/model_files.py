@@ -89,8 +89,8 @@ def parameters(cfg: Any) -> int | None:
     if local is None or not local.is_dir():
         return None
     files = sorted(local.glob("*.safetensors"))
-    per_word = _packed_per_word(local)
-    return sum(_safetensors_elements(f, per_word) for f in files) if files else None
+    packing = _packing(local)
+    return sum(_safetensors_elements(f, packing) for f in files) if files else None
 
 
 def shape(cfg: Any):
@@ -167,13 +167,13 @@ def safetensors_size(folder: Path) -> dict[str, float]:
     (scales and zero points included) per weight they hold (a packed weight
     counted unpacked: :func:`_safetensors_elements`)."""
     files = sorted(folder.glob("*.safetensors"))
-    per_word = _packed_per_word(folder)
+    packing = _packing(folder)
     n_bytes = 0.0
     for f in files:
         header, _ = _safetensors_header(f)
         n_bytes += sum(info["data_offsets"][1] - info["data_offsets"][0] for key, info in header.items()
                        if key != "__metadata__" and not key.endswith(".weight_shape"))
-    return _size(n_bytes, sum(_safetensors_elements(f, per_word) for f in files))
+    return _size(n_bytes, sum(_safetensors_elements(f, packing) for f in files))
 
 
 def _size(n_bytes: float, weights: int) -> dict[str, float]:
@@ -272,34 +272,43 @@ _CT_AUX = ("weight_scale", "weight_zero_point", "weight_global_scale", "weight_g
            "input_scale", "input_zero_point", "input_global_scale", "k_scale", "v_scale")
 
 
-# GPTQ's and AWQ's tensors beside a packed ``qweight``
-_GPTQ_AUX = ("qzeros", "scales", "g_idx")
+# per quant_method: (suffixes of tensors beside a packed weight, the packed weight's suffix)
+_PACKED = {"gptq": (("qzeros", "scales", "g_idx"), "qweight"), "awq": (("qzeros", "scales"), "qweight"),
+           "bitsandbytes": (("absmax", "quant_map", "nested_absmax", "nested_quant_map", "bitsandbytes__nf4",
+                             "bitsandbytes__fp4"), "weight")}
 
 
-def _packed_per_word(folder: Path) -> int:
-    """Weights per int32 word of a GPTQ/AWQ checkpoint's ``qweight`` (32 / its
-    bits), 0 for any other directory."""
+def _packing(folder: Path) -> tuple[str, int]:
+    """``(quant_method, weights per stored element)`` of a GPTQ, AWQ or
+    bitsandbytes 4-bit checkpoint directory (a GPTQ/AWQ int32 holds
+    ``32 / bits``, a bitsandbytes byte two), ``("", 0)`` for any other."""
     config = folder / "config.json"
     q = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
-    if not isinstance(q, dict) or str(q.get("quant_method", "")).lower() not in ("gptq", "awq"):
-        return 0
-    return 32 // int(q.get("bits", q.get("w_bit", 4)) or 4)
+    method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
+    if method in ("gptq", "awq"):
+        return method, 32 // int(q.get("bits", q.get("w_bit", 4)) or 4)
+    if method == "bitsandbytes" and (q.get("load_in_4bit") or q.get("_load_in_4bit")):
+        return method, 2
+    return "", 0
 
 
-def _safetensors_elements(path: Path, per_word: int = 0) -> int:
+def _safetensors_elements(path: Path, packing: tuple[str, int] = ("", 0)) -> int:
     """The number of weights a safetensors file holds, from its JSON header:
     a compressed-tensors packed weight counts its unpacked shape (its
-    ``weight_shape`` tensor), a GPTQ/AWQ ``qweight`` ``per_word`` weights per
-    int32 (given for such a checkpoint), scales and zero points not at all."""
+    ``weight_shape`` tensor); in a GPTQ, AWQ or bitsandbytes checkpoint
+    (``packing``: :func:`_packing`) a packed integer tensor counts the
+    weights it holds; scales and zero points not at all."""
+    method, per = packing
+    aux, packed = _PACKED.get(method, ((), ""))
     header, data_start = _safetensors_header(path)
     total = 0
     with open(path, "rb") as f:
         for name, info in header.items():
             suffix = name.rsplit(".", 1)[-1]
-            if name == "__metadata__" or suffix in _CT_AUX or (per_word and suffix in _GPTQ_AUX):
+            if name == "__metadata__" or suffix in _CT_AUX or suffix in aux:
                 continue
-            if per_word and suffix == "qweight":
-                total += math.prod(info["shape"]) * per_word
+            if per and suffix == packed and info["dtype"] in ("I32", "U8"):
+                total += math.prod(info["shape"]) * per
                 continue
             if name.endswith(".weight_packed") and (shape := header.get(name[:-6] + "shape")):
                 start, end = shape["data_offsets"]

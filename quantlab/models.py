@@ -79,18 +79,22 @@ def _require_path(cfg: ModelConfig) -> Path:
 
 def _from_pretrained(path: str, dtype, revision=None, trust_remote_code=False):
     """A transformers checkpoint; one that compressed-tensors quantized loads
-    decompressed (dense weights, exactly what its codes and scales give), with
+    decompressed (dense weights, exactly what its codes and scales give), a
+    GPTQ/AWQ one through :mod:`quantlab.gptq_awq` (dequantized likewise), a
+    bitsandbytes one as its own 4-bit modules, each with
     ``model.quantlab_artifact`` its directory (``scheme/weights=as-is``
-    rebuilds its quantized layers from there)."""
+    rebuilds or keeps its quantized layers from there)."""
     extra = {}
     local = Path(path).expanduser()
-    quantized = local.is_dir() and _compressed_tensors(local)
-    if quantized:
+    method = _quant_method(local) if local.is_dir() else ""
+    if method == "compressed-tensors":
         from transformers import CompressedTensorsConfig
 
         extra["quantization_config"] = CompressedTensorsConfig(dequantize=True)
-    if local.is_dir() and gptq_awq.quantization_config(local) is not None:
+    if method in ("gptq", "awq"):
         return _from_gptq_awq(local, dtype)
+    if method == "bitsandbytes":
+        extra["device_map"] = "cpu"  # bitsandbytes' CPU backend; its modules stay as loaded
     try:
         tok = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
         with warnings.catch_warnings():  # the checkpoint's own config is kept; only dequantize is ours
@@ -101,7 +105,7 @@ def _from_pretrained(path: str, dtype, revision=None, trust_remote_code=False):
             )
     except OSError as e:
         raise UserError(f"cannot load model {path!r}: {str(e).splitlines()[0]}") from e
-    if quantized:
+    if method in ("compressed-tensors", "bitsandbytes"):
         model.quantlab_artifact = local
     return model.eval(), tok
 
@@ -119,12 +123,14 @@ def _from_gptq_awq(folder: Path, dtype):
     return model, tok
 
 
-def _compressed_tensors(folder: Path) -> bool:
+def _quant_method(folder: Path) -> str:
+    """The ``quant_method`` of a checkpoint directory's ``quantization_config``
+    ('' for a float checkpoint)."""
     config = folder / "config.json"
     if not config.is_file():
-        return False
+        return ""
     q = json.loads(config.read_text()).get("quantization_config")
-    return isinstance(q, dict) and q.get("quant_method") == "compressed-tensors"
+    return str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
 
 
 def _from_gguf(path: Path, cache_dir: str, dtype):

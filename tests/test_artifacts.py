@@ -129,7 +129,7 @@ def test_bad_artifacts_are_refused_in_one_line(ct, tmp_path):
     assert "is quantized too (compressed-tensors pack-quantized: w8a16" in refused(
         [*base, f"reference.path={ct['w8a16']}"])
     for key, value, words in (("kv_cache_scheme", {"num_bits": 8, "type": "float"}, "a quantized KV cache"),
-                              ("quant_method", "bitsandbytes", "a bitsandbytes checkpoint: quantlab reads compressed-tensors")):
+                              ("quant_method", "hqq", "a hqq checkpoint: quantlab reads compressed-tensors")):
         bad = shutil.copytree(ct["w4a16-g32"], tmp_path / key)
         config = json.loads((bad / "config.json").read_text())
         config["quantization_config"][key] = value

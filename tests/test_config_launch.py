@@ -134,7 +134,7 @@ def test_paths_that_are_not_models_are_refused(tmp_path):
         "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
      "compressed-tensors float-quantized: fp8-a16"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "GPTQ 4-bit, groups of 128"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes checkpoint"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes 4-bit FP4"),
 ])
 def test_a_checkpoint_quantized_elsewhere_is_refused_not_measured_as_float(quantization_config, words, tmp_path):
     """Loaded as a float model, a quantized checkpoint would be logged as an

@@ -165,8 +165,7 @@ def test_unreadable_layouts_are_refused_in_one_line(art, tmp_path):
             ("gptq-g32", {"bits": 3}, "a 3-bit GPTQ checkpoint: quantlab reads 4- and 8-bit"),
             ("gptq-g32", {"checkpoint_format": "marlin"}, "a GPTQ checkpoint in the 'marlin' layout"),
             ("awq-g32", {"version": "gemv"}, "an AWQ checkpoint packed for 'gemv'"),
-            ("awq-g32", {"quant_method": "bitsandbytes"},
-             "a bitsandbytes checkpoint: quantlab reads compressed-tensors"))):
+            ("awq-g32", {"quant_method": "hqq"}, "a hqq checkpoint: quantlab reads compressed-tensors"))):
         bad = shutil.copytree(art[kind], tmp_path / str(i))
         config = json.loads((bad / "config.json").read_text())
         config["quantization_config"].update(change)

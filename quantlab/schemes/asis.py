@@ -1,9 +1,5 @@
 """``scheme/weights=as-is``: a checkpoint quantized elsewhere, kept as made.
 
-GPTQ / AWQ: the model arrives with its packed Linears dequantized
-(:func:`quantlab.gptq_awq.load`); each is rebuilt on quantlab's int4 kernel
-from the checkpoint's own integers, zero points and scales.
-
 compressed-tensors: the model arrives dequantized by compressed-tensors
 (:func:`quantlab.models.load`); each quantized Linear is then rebuilt from the
 checkpoint's own tensors (codes unpacked with compressed-tensors'
@@ -12,6 +8,13 @@ W8A8 / FP8 module, so the point runs the artifact's integers on quantlab's
 kernels. A weight-only format with no quantlab kernel stays as
 compressed-tensors decompressed it (exact weights, emulated). Sizes are counted
 from the checkpoint's files.
+
+GPTQ / AWQ: the model arrives with its packed Linears dequantized
+(:func:`quantlab.gptq_awq.load`); each is rebuilt on quantlab's int4 kernel
+from the checkpoint's own integers, zero points and scales.
+
+bitsandbytes 4-bit: transformers loads the checkpoint as bitsandbytes'
+Linear4bit modules, which run as they are (bitsandbytes' CPU kernels).
 
 GGUF: the llama.cpp target runs the file itself (see
 :mod:`quantlab.targets.llamacpp`); on PyTorch targets the model holds its
@@ -27,7 +30,7 @@ import torch
 
 from quantlab import artifacts, gptq_awq, model_files, point
 from quantlab.hardware import Hardware
-from quantlab.schemes import layers
+from quantlab.schemes import bnb4, layers
 from quantlab.schemes.configs import AsIsScheme
 from quantlab.schemes.qlinear import FP8Linear, Int4Linear, Int8DynLinear, Int8Linear, prefill_tags
 from quantlab.schemes.registry import Applied, ApplyContext, Mapping, Support, register_weights
@@ -48,6 +51,9 @@ def support(cfg: AsIsScheme, hw: Hardware) -> Support:
                                       "target=llamacpp (the file itself)")
     if hw.device != "cpu":
         return Support("unsupported", f"a {cfg.family} artifact as-is on {hw.device}: built for target=cpu")
+    if cfg.kernel == "bnb4":
+        bnb = bnb4.support(None, hw)
+        return bnb if bnb.status != "real" else Support("real", f"{cfg.label}: bitsandbytes' own 4-bit kernels")
     if cfg.kernel in REAL_ON_CPU:
         return Support("real", f"{cfg.label}: the checkpoint's integers on quantlab's {cfg.kernel} kernel")
     return Support("emulated", f"{cfg.label}: weights as the {cfg.family} checkpoint dequantizes, GEMM emulated")
@@ -68,6 +74,8 @@ def apply(model: torch.nn.Module, cfg: AsIsScheme, ctx: ApplyContext) -> Applied
                        metrics=metrics)
     if cfg.family in ("gptq", "awq"):
         return _gptq_awq(model, cfg, folder, dtype, tags, metrics)
+    if cfg.family == "bitsandbytes":
+        return _bitsandbytes(model, dtype, tags, metrics)
     tensors = model_files.Tensors(folder)
     groups = _groups(folder)
     n = 0
@@ -115,6 +123,21 @@ def _gptq_awq(model: torch.nn.Module, cfg: AsIsScheme, folder: Path, dtype: torc
                    emulated=bool(kept), tags=tags, metrics=metrics)
 
 
+def _bitsandbytes(model: torch.nn.Module, dtype: torch.dtype, tags: dict, metrics: dict) -> Applied:
+    """A bitsandbytes checkpoint arrives as bitsandbytes' own Linear4bit
+    modules (transformers loads them); they compute in ``dtype``."""
+    import bitsandbytes as bnb
+
+    quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    if not quantized:
+        raise ValueError("as-is: the bitsandbytes checkpoint loaded without a 4-bit layer")
+    for m in quantized:
+        m.compute_dtype = dtype
+    layers.cast_parameters_except(model, dtype, bnb.nn.Params4bit)
+    log.info("as-is: %d bitsandbytes 4-bit layers", len(quantized))
+    return Applied(backend=f"bitsandbytes-{bnb.__version__}", emulated=False, tags=tags, metrics=metrics)
+
+
 def _module(name: str, lin: torch.nn.Linear, kernel: str, args, tensors: model_files.Tensors, dtype: torch.dtype):
     """quantlab's module for Linear ``name`` from the checkpoint's tensors."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
@@ -160,7 +183,7 @@ def _args_of(name: str, module: torch.nn.Module, groups):
 def gguf(cfg: AsIsScheme) -> Mapping:
     """A GGUF artifact is its own llama.cpp file (``as_is``); nothing else is."""
     if cfg.family != "gguf":
-        return Mapping(reason=f"as-is {cfg.label or ''}: a compressed-tensors checkpoint runs on target=cpu "
+        return Mapping(reason=f"as-is {cfg.label or ''}: a {cfg.family} checkpoint runs on target=cpu "
                               "(llama.cpp would run a conversion, not the artifact)")
     return Mapping({"type": cfg.label, "as_is": True})
 

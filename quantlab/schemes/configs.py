@@ -415,7 +415,7 @@ class LlamaQuantScheme(WeightScheme):
 @dataclass
 class AsIsScheme(WeightScheme):
     """The quantization of the artifact in ``model.path``, kept as it was made
-    elsewhere (a compressed-tensors, GPTQ or AWQ checkpoint, a GGUF quant) and measured
+    elsewhere (a compressed-tensors, GPTQ, AWQ or bitsandbytes checkpoint, a GGUF quant) and measured
     against ``reference`` (its float original); see :mod:`quantlab.artifacts`.
     ``family``, ``label`` and ``kernel`` are read from the artifact's own
     metadata when the point is composed (left empty, as a preset does);
@@ -427,9 +427,10 @@ class AsIsScheme(WeightScheme):
     LABEL: ClassVar[str] = "as-is"
     KEEPS_ARTIFACT: ClassVar[bool] = True
     compute_dtype: str = field(default="auto", metadata={"choices": ("auto", "bfloat16", "float16", "float32")})
-    family: str = field(default="", metadata={"choices": ("", "compressed-tensors", "gptq", "awq", "gguf")})
+    family: str = field(default="", metadata={"choices": ("", "compressed-tensors", "gptq", "awq", "bitsandbytes",
+                                                          "gguf")})
     label: str = ""
-    kernel: str = field(default="", metadata={"choices": ("", "int4", "int8", "int8-dyn", "fp8", "fp8-dyn",
+    kernel: str = field(default="", metadata={"choices": ("", "int4", "int8", "int8-dyn", "fp8", "fp8-dyn", "bnb4",
                                                           "dequantized", "llama.cpp")})
 
     def short_name(self) -> str:
