@@ -99,9 +99,10 @@ def quantized_names(tensors: model_files.Tensors) -> list[str]:
 
 def load(folder: Path, dtype: torch.dtype):
     """The model of a GPTQ/AWQ checkpoint directory with every packed Linear
-    dequantized into its ``weight`` (``dtype``); the other tensors as stored.
-    ``ValueError`` naming the keys where the checkpoint and the architecture
-    its config names do not match."""
+    dequantized into its ``weight`` (``dtype``); the other tensors as stored
+    (an all-zero bias of a Linear the architecture builds without one is
+    dropped: some GPTQ writers save one). ``ValueError`` naming the keys
+    where the checkpoint and the architecture its config names do not match."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
@@ -120,8 +121,13 @@ def load(folder: Path, dtype: torch.dtype):
             raise ValueError(f"{folder}: {name}.qweight has no Linear {name} in {type(model).__name__}")
         state[f"{name}.weight"] = read(lay, tensors, name, lin.out_features, lin.in_features).dequantize().to(dtype)
     for key in tensors.keys():
-        if key.rsplit(".", 1)[-1] not in SUFFIXES:
-            state[key] = tensors.get(key)
+        owner, suffix = key.rsplit(".", 1) if "." in key else ("", key)
+        if suffix in SUFFIXES:
+            continue
+        t = tensors.get(key)
+        if suffix == "bias" and getattr(modules.get(owner), "bias", 0) is None and not t.any():
+            continue  # AutoGPTQ saved a zero bias for a Linear that has none
+        state[key] = t
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k == "lm_head.weight" and config.get_text_config().tie_word_embeddings}
     if unexpected or set(missing) - tied:

@@ -174,6 +174,24 @@ def test_unreadable_layouts_are_refused_in_one_line(art, tmp_path):
     assert "is quantized too (AWQ 4-bit, groups of 32, zero points)" in refused(art["gptq-g32"], art["awq-g32"])
 
 
+def test_zero_biases_some_writers_save_are_dropped_and_others_refused(art, tmp_path):
+    """A zero bias beside a packed Linear that has none loads (as AutoGPTQ
+    checkpoints carry them); a nonzero one does not fit the architecture."""
+    from safetensors.torch import load_file, save_file
+
+    for fill, loads in ((0.0, True), (0.5, False)):
+        folder = shutil.copytree(art["gptq-g32"], tmp_path / str(fill))
+        state = load_file(folder / "model.safetensors")
+        state["model.layers.0.self_attn.q_proj.bias"] = torch.full((state["model.layers.0.self_attn.q_proj.scales"]
+                                                                    .shape[1],), fill, dtype=torch.float16)
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        if loads:
+            assert models.load(_hf(folder), "~")[0].model.layers[0].self_attn.q_proj.bias is None
+        else:
+            with pytest.raises(Exception, match="unexpected .'model.layers.0.self_attn.q_proj.bias'"):
+                models.load(_hf(folder), "~")
+
+
 def test_a_checkpoint_for_another_architecture_is_one_line(art, tmp_path):
     bad = shutil.copytree(art["gptq-g32"], tmp_path / "wide")
     config = json.loads((bad / "config.json").read_text())
