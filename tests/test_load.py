@@ -3,6 +3,8 @@ the load table's figures, the knee, KV capacity by allocation, the config's
 errors, and what a serving point and its report log to MLflow."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import random
 import time
@@ -434,3 +436,15 @@ def test_the_serving_report_names_the_engine_that_serves_each_precision_best():
     assert "**vllm**, ahead of cpu but not separated" in rows["int4-g64"]
     assert rows["fp8-e4m3"].endswith("| none met the SLOs |") and "cpu 9.00 (>= 8.00) emulated" in rows["fp8-e4m3"]
     assert "cpu 4.00 (>= 3.50)†" in rows["bf16"] and "re-time before trusting the order" in rows["bf16"]
+
+
+def test_the_serving_section_reads_load_tables_only_of_points_the_load_probe_measured(tmp_path):
+    from quantlab.metric_names import SectionView
+    from quantlab.probes import load_report
+
+    asked = []
+    measured = _served("int8", "cpu", 2.0, 1.5)
+    measured = dataclasses.replace(measured, metrics={**measured.metrics, "load/generator_late_ms_max": 1.0})
+    other = dataclasses.replace(_served("bf16", "cpu", 2.0, 1.5), id="b", metrics={"fid/kl_mean": 0.1})
+    load_report.section(SectionView([measured, other], tmp_path, "t", lambda r, name: asked.append((r.id, name))))
+    assert asked == [(measured.id, "load.csv")]

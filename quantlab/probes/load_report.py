@@ -18,6 +18,11 @@ from quantlab.probes import knee, load
 
 
 def _rows(view: SectionView, run) -> list[dict]:
+    """The load table a point logged; none read for a point the load probe
+    did not measure (its metrics say so), so other sweeps' reports fetch
+    nothing for this section."""
+    if "load/generator_late_ms_max" not in run.metrics:
+        return []
     path = view.download(run, "load.csv")
     return load.read_csv(path.read_text()) if path is not None else []
 
