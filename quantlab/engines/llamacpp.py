@@ -138,9 +138,10 @@ class LlamaCppEngine(Engine):
         return torch.cat([torch.from_numpy(self._forward(row.tolist(), 0, True)) for row in ids])
 
     def decode(self, prompt: torch.Tensor, n_new: int, clock=None, choose=greedy, record=None) -> Decoded:
-        """Greedy (or ``choose``) decoding with numpy logits between steps: a
-        torch op per token would wake torch's own thread pool beside
-        llama.cpp's, which costs a few percent of TPOT on a small host."""
+        """Greedy (or ``choose``) decoding with numpy logits between steps
+        (``record`` and ``choose`` see numpy arrays): torch's work per token
+        was most of quantlab's own time around each ``llama_decode``
+        (benchmarks/llamacpp_peers.py). ``chosen`` comes back as torch."""
         if prompt.shape[0] != 1:
             raise UserError(f"llamacpp: the engine decodes one sequence; probe.latency.batch_size={prompt.shape[0]} "
                             "(and grid_batch_sizes) must be 1 on this target")
@@ -149,6 +150,7 @@ class LlamaCppEngine(Engine):
             return self._forward(np.asarray(ids).reshape(-1).tolist(), start, start > 0)
 
         out = decode_loop(forward, prompt, n_new, clock or self.clock(), choose, record)
+        out.chosen = [torch.as_tensor(c) for c in out.chosen]  # torch, as every engine's, once timing is done
         out.kv_bytes = int(self._lc.llama_state_seq_get_size(self.llm.ctx, 0))
         return out
 
