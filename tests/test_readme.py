@@ -34,7 +34,7 @@ def _readme_commands() -> list[str]:
 
 
 def test_every_cli_the_readme_names_answers_help():
-    """The quick tour's commands exist and parse: ``quantlab SUB --help`` of
+    """The quick tour's commands exist and parse: ``python -m quantlab SUB --help`` of
     each (cheap); the sweeps themselves run in their own tests."""
     import subprocess
     import sys
@@ -44,7 +44,7 @@ def test_every_cli_the_readme_names_answers_help():
     subs = sorted({ln.split()[1] for ln in _readme_commands()})
     assert subs == sorted(COMMANDS), subs
     for sub in subs:
-        proc = subprocess.run([sys.executable, "-m", "quantlab.console", sub, "--help"], cwd=REPO,
+        proc = subprocess.run([sys.executable, "-m", "quantlab", sub, "--help"], cwd=REPO,
                               capture_output=True, text=True, timeout=300,
                               env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
         assert proc.returncode == 0 and proc.stdout.strip(), (sub, proc.stderr[-500:])
