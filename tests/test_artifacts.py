@@ -312,13 +312,17 @@ def test_a_gguf_quant_under_another_scheme_is_tagged_as_dequantized(gguf_quant, 
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_serves_an_as_is_artifact_from_its_own_folder(tmp_path):
-    """A bf16 W4A16 g32 checkpoint written by compressed-tensors (the tiny
-    model at vLLM's CPU head size), as-is on target=vllm beside target=cpu:
-    vLLM serves the artifact's folder itself (no export), the served model
-    agrees with quantlab's rebuild of the same integers (parity/*) and both
-    lose about the same against the float original; on a CPU without
-    AVX512-BF16 the vLLM point is skipped with its reason."""
+def test_vllm_serves_as_is_artifacts_from_their_own_folders(tmp_path):
+    """Three bf16 artifacts of the tiny model at vLLM's CPU head size, a
+    W4A16 g32 written by compressed-tensors and GPTQ / AWQ g32 in their
+    layouts (benchmarks/gptq_artifact.py), as-is on target=vllm beside
+    target=cpu: vLLM serves each folder itself (no export) through its own
+    loaders, the served model agrees with quantlab's rebuild of the same
+    integers (parity/*: the independent check of quantlab's reading of the
+    GPTQ and AWQ layouts) and both lose about the same against the float
+    original; on a CPU without AVX512-BF16 the vLLM points are skipped with
+    their reason."""
+    from benchmarks import gptq_artifact
     from quantlab import hardware
 
     model, tok = models.load(compose_cfg(TINY).model, "~/.cache/quantlab")
@@ -326,25 +330,28 @@ def test_vllm_serves_an_as_is_artifact_from_its_own_folder(tmp_path):
     model.config.torch_dtype = torch.bfloat16
     model.save_pretrained(tmp_path / "float")
     tok.save_pretrained(tmp_path / "float")
-    art = quantize(model, tok, "w4a16-g32", tmp_path / "w4a16")
+    paths = [gptq_artifact.write(model, tok, k, tmp_path / k) for k in ("gptq-g32", "awq-g32")]
+    paths.append(quantize(model, tok, "w4a16-g32", tmp_path / "w4a16"))  # consumes the model: last
     uri = f"sqlite:///{tmp_path}/m.db"
-    common = ["model=hf", f"model.path={art}", "scheme/weights=as-is", f"reference.path={tmp_path / 'float'}",
-              "probe=smoke", "probe.latency.new_tokens=8", "probe.latency.repeats=2", "probe.latency.stages=false",
-              f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a", f"cache_dir={tmp_path}/c"]
+    common = ["-m", "model=hf", f"model.path={','.join(map(str, paths))}", "scheme/weights=as-is",
+              f"reference.path={tmp_path / 'float'}", "probe=smoke", "probe.latency.new_tokens=8",
+              "probe.latency.repeats=2", "probe.latency.stages=false", f"tracking.uri={uri}",
+              f"tracking.artifact_root={tmp_path}/a", f"cache_dir={tmp_path}/c"]
     for target in (["target=cpu"], ["target=vllm", f"target.python={REAL}", "target.logprobs_topk=0",
                                     "target.max_model_len=1024"]):
-        r = run_cli([*common, *target], timeout=1200)
+        r = run_cli([*common, *target], timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
     t = tracker(uri)
     runs = {x.info.run_name: x.data for x in t.client.search_runs([t.experiment_id])
             if x.data.tags.get(point.ROLE_TAG) != point.ROLE_SWEEP}
-    cpu, served = runs["as-is-w4a16-g32@cpu"], runs["as-is-w4a16-g32@vllm"]
-    assert cpu.tags[point.OUTCOME_TAG] == "finished", cpu.tags.get(point.REASON_TAG)
-    if "avx512_bf16" not in hardware.cpu_flags():
-        assert served.tags[point.OUTCOME_TAG] == "skipped" and "AVX512_BF16" in served.tags[point.REASON_TAG]
-        return
-    assert served.tags[point.OUTCOME_TAG] == "finished", served.tags.get(point.REASON_TAG)
-    assert "the artifact's own folder" in served.tags["support.reason"] and served.tags["emulated"] == "false"
-    assert served.metrics["compile/vllm_export_s"] < 1.0  # nothing written: the folder is served
-    assert served.metrics["parity/kl_mean"] < served.metrics["fid/kl_mean"] / 10
-    assert served.metrics["fid/kl_mean"] == pytest.approx(cpu.metrics["fid/kl_mean"], rel=0.5)
+    for label in ("w4a16-g32", "gptq-w4-g32", "awq-w4-g32"):
+        cpu, served = runs[f"as-is-{label}@cpu"], runs[f"as-is-{label}@vllm"]
+        assert cpu.tags[point.OUTCOME_TAG] == "finished", cpu.tags.get(point.REASON_TAG)
+        if "avx512_bf16" not in hardware.cpu_flags():
+            assert served.tags[point.OUTCOME_TAG] == "skipped" and "AVX512_BF16" in served.tags[point.REASON_TAG]
+            continue
+        assert served.tags[point.OUTCOME_TAG] == "finished", (label, served.tags.get(point.REASON_TAG))
+        assert "the artifact's own folder" in served.tags["support.reason"] and served.tags["emulated"] == "false"
+        assert served.metrics["compile/vllm_export_s"] < 1.0  # nothing written: the folder is served
+        assert served.metrics["parity/kl_mean"] < served.metrics["fid/kl_mean"] / 10, label
+        assert served.metrics["fid/kl_mean"] == pytest.approx(cpu.metrics["fid/kl_mean"], rel=0.5), label

@@ -2,7 +2,9 @@
 read without GPTQModel or AutoAWQ: artifacts in their layouts written by
 benchmarks/gptq_artifact.py (from the layouts' description, not quantlab's
 reader), read back from their metadata and tensors, rebuilt on the int4
-kernel from their own integers, and checked against vLLM's own loader."""
+kernel from their own integers. vLLM's own loaders reading the same
+folders (the independent check of the layouts) are in
+tests/test_artifacts.py's vLLM test."""
 from __future__ import annotations
 
 import json
@@ -22,7 +24,6 @@ from quantlab.probes import perplexity
 from quantlab.schemes.qlinear import Int4Linear, dequantized
 from quantlab.schemes.registry import ApplyContext, weights_handler
 from tests.conftest import SHARED_DATA, compose_cfg, run_cli, tracker
-from tests.test_vllm import REAL, TINY, needs_vllm
 
 EXPECTED = {  # family, label, kernel
     "gptq-g32": ("gptq", "gptq-w4-g32", "int4"), "gptq-g64": ("gptq", "gptq-w4-g64", "int4"),
@@ -235,40 +236,3 @@ def test_gptq_and_awq_beside_their_original_in_one_sweep(art, store):
             logp = plain(wins).logits[:, :-1].log_softmax(-1)
         theirs = math.exp(-logp.gather(-1, wins[:, 1:, None]).double().mean().item())
         assert abs(math.log(m[name]) - math.log(theirs)) < m[f"{name}_ln_stderr"] / 10, (kind, m[name], theirs)
-
-
-@pytest.mark.vllm
-@needs_vllm
-def test_vllm_reads_the_same_gptq_and_awq_folders(tmp_path):
-    """vLLM's own GPTQ and AWQ loaders (its CPUWNA16 kernel) serve the
-    folders the writer made: the served model agrees with quantlab's int4
-    rebuild of the same integers (parity/*) and both lose about the same
-    against the float original; the independent check of the layouts. On
-    a CPU without AVX512-BF16 the vLLM points are skipped with the reason."""
-    model, tok = models.load(compose_cfg(TINY).model, "~/.cache/quantlab")
-    model = model.to(torch.bfloat16)
-    model.config.torch_dtype = torch.bfloat16
-    model.save_pretrained(tmp_path / "float")
-    tok.save_pretrained(tmp_path / "float")
-    paths = ",".join(str(gptq_artifact.write(model, tok, k, tmp_path / k)) for k in ("gptq-g32", "awq-g32"))
-    uri = f"sqlite:///{tmp_path}/m.db"
-    common = ["-m", "model=hf", f"model.path={paths}", "scheme/weights=as-is", f"reference.path={tmp_path / 'float'}",
-              "probe=smoke", "probe.latency.new_tokens=8", "probe.latency.repeats=2", "probe.latency.stages=false",
-              f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path}/a", f"cache_dir={tmp_path}/c"]
-    for target in (["target=cpu"], ["target=vllm", f"target.python={REAL}", "target.logprobs_topk=0",
-                                    "target.max_model_len=1024"]):
-        r = run_cli([*common, *target], timeout=1500)
-        assert r.returncode == 0, r.stderr[-3000:]
-    t = tracker(uri)
-    runs = {x.info.run_name: x.data for x in t.client.search_runs([t.experiment_id])
-            if x.data.tags.get(point.ROLE_TAG) != point.ROLE_SWEEP}
-    for label in ("gptq-w4-g32", "awq-w4-g32"):
-        cpu, served = runs[f"as-is-{label}@cpu"], runs[f"as-is-{label}@vllm"]
-        assert cpu.tags[point.OUTCOME_TAG] == "finished", cpu.tags.get(point.REASON_TAG)
-        if "avx512_bf16" not in hardware.cpu_flags():
-            assert served.tags[point.OUTCOME_TAG] == "skipped" and "AVX512_BF16" in served.tags[point.REASON_TAG]
-            continue
-        assert served.tags[point.OUTCOME_TAG] == "finished", served.tags.get(point.REASON_TAG)
-        assert "the artifact's own folder" in served.tags["support.reason"] and served.tags["emulated"] == "false"
-        assert served.metrics["parity/kl_mean"] < served.metrics["fid/kl_mean"] / 10, label
-        assert served.metrics["fid/kl_mean"] == pytest.approx(cpu.metrics["fid/kl_mean"], rel=0.5), label
