@@ -20,7 +20,6 @@ order (bits ``4i .. 4i+3`` hold channel ``8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]``);
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -135,12 +134,3 @@ def load(folder: Path, dtype: torch.dtype):
                          f"{sorted(set(missing) - tied)[:4]}, unexpected {sorted(unexpected)[:4]}")
     model.tie_weights()
     return model.eval()
-
-
-def quantization_config(folder: Path) -> dict | None:
-    """A checkpoint directory's ``quantization_config`` when it is GPTQ or AWQ."""
-    config = Path(folder) / "config.json"
-    if not config.is_file():
-        return None
-    q = json.loads(config.read_text()).get("quantization_config")
-    return q if isinstance(q, dict) and str(q.get("quant_method", "")).lower() in ("gptq", "awq") else None

@@ -278,13 +278,25 @@ _PACKED = {"gptq": (("qzeros", "scales", "g_idx"), "qweight"), "awq": (("qzeros"
                              "bitsandbytes__fp4"), "weight")}
 
 
+def quantization_config(folder: Path) -> dict:
+    """A local checkpoint directory's ``quantization_config`` (its
+    config.json's), ``{}`` for a float checkpoint or none at all."""
+    config = Path(folder) / "config.json"
+    q = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    return q if isinstance(q, dict) else {}
+
+
+def quant_method(folder: Path) -> str:
+    """The ``quant_method`` of a local checkpoint directory (lower case),
+    '' for a float checkpoint."""
+    return str(quantization_config(folder).get("quant_method", "")).lower()
+
+
 def _packing(folder: Path) -> tuple[str, int]:
     """``(quant_method, weights per stored element)`` of a GPTQ, AWQ or
     bitsandbytes 4-bit checkpoint directory (a GPTQ/AWQ int32 holds
     ``32 / bits``, a bitsandbytes byte two), ``("", 0)`` for any other."""
-    config = folder / "config.json"
-    q = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
-    method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
+    q, method = quantization_config(folder), quant_method(folder)
     if method in ("gptq", "awq"):
         return method, 32 // int(q.get("bits", q.get("w_bit", 4)) or 4)
     if method == "bitsandbytes" and (q.get("load_in_4bit") or q.get("_load_in_4bit")):

@@ -7,7 +7,6 @@ mtime), so later points load in well under a second instead of ~15 s.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -86,7 +85,7 @@ def _from_pretrained(path: str, dtype, revision=None, trust_remote_code=False):
     rebuilds or keeps its quantized layers from there)."""
     extra = {}
     local = Path(path).expanduser()
-    method = _quant_method(local) if local.is_dir() else ""
+    method = model_files.quant_method(local) if local.is_dir() else ""
     if method == "compressed-tensors":
         from transformers import CompressedTensorsConfig
 
@@ -121,16 +120,6 @@ def _from_gptq_awq(folder: Path, dtype):
         raise UserError(f"cannot load model {str(folder)!r}: {str(e).splitlines()[0]}") from e
     model.quantlab_artifact = folder
     return model, tok
-
-
-def _quant_method(folder: Path) -> str:
-    """The ``quant_method`` of a checkpoint directory's ``quantization_config``
-    ('' for a float checkpoint)."""
-    config = folder / "config.json"
-    if not config.is_file():
-        return ""
-    q = json.loads(config.read_text()).get("quantization_config")
-    return str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
 
 
 def _from_gguf(path: Path, cache_dir: str, dtype):

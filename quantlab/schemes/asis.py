@@ -102,11 +102,12 @@ def _gptq_awq(model: torch.nn.Module, cfg: AsIsScheme, folder: Path, dtype: torc
     in activation order whose groups are not contiguous keeps its
     dequantized weight, and the point is then tagged emulated (it counts
     them: ``artifact.dequantized_layers``)."""
-    lay, _ = artifacts.gptq_awq_layout(gptq_awq.quantization_config(folder))
+    lay, _ = artifacts.gptq_awq_layout(model_files.quantization_config(folder))
     tensors = model_files.Tensors(folder)
     modules = dict(model.named_modules())
+    names = gptq_awq.quantized_names(tensors)
     kept = []
-    for name in gptq_awq.quantized_names(tensors):
+    for name in names:
         lin = modules[name]
         p = gptq_awq.read(lay, tensors, name, lin.out_features, lin.in_features)
         if p.contiguous_groups() != lay.group_size:
@@ -117,7 +118,7 @@ def _gptq_awq(model: torch.nn.Module, cfg: AsIsScheme, folder: Path, dtype: torc
                                                dtype))
     layers.cast_parameters(model, dtype)
     log.info("as-is: %d %s layers on the int4 kernel, %d dequantized (activation order)",
-             len(gptq_awq.quantized_names(tensors)) - len(kept), cfg.family, len(kept))
+             len(names) - len(kept), cfg.family, len(kept))
     tags = {**tags, **prefill_tags(dtype), "artifact.dequantized_layers": str(len(kept))}
     return Applied(backend="aten._weight_int4pack_mm_for_cpu" + (f" ({len(kept)} layers dequantized)" if kept else ""),
                    emulated=bool(kept), tags=tags, metrics=metrics)

@@ -172,8 +172,7 @@ def _as_is(weights: Any, hw: Hardware) -> Support:
         return Support("unsupported", f"as-is {weights.label}: vLLM reads symmetric GPTQ only (its AutoGPTQ loader's "
                                       "types: 4- and 8-bit sym)")
     if hw.device == "cpu":
-        group = _AS_IS_GROUPS.get(weights.kernel) if weights.family == "compressed-tensors" or \
-            weights.kernel == "int4" else None
+        group = _AS_IS_GROUPS.get(weights.kernel)
         why = _cpu_blocker(group, hw) if group else (f"as-is {weights.label}: its format is not known to run on "
                                                      "vLLM's CPU build (not tried here)")
         if why:
