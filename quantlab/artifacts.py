@@ -122,7 +122,7 @@ def _compressed_tensors(q: dict) -> Artifact:
                     f"{' (not ' + ', '.join(ignore) + ')' if ignore else ''}", kernel, bad)
 
 
-TINYGEMM_GROUPS = (32, 64, 128, 256)
+TINYGEMM_GROUPS = (32, 64, 128, 256)  # int4 groups quantlab's CPU kernel takes (schemes' choices too)
 
 
 @dataclasses.dataclass(frozen=True)

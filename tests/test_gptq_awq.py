@@ -22,8 +22,9 @@ from quantlab import artifacts, gptq_awq, hardware, model_files, models, point
 from quantlab.cli import to_point
 from quantlab.probes import perplexity
 from quantlab.schemes.qlinear import Int4Linear, dequantized
-from quantlab.schemes.registry import ApplyContext, weights_handler
+from quantlab.schemes.registry import weights_handler
 from tests.conftest import SHARED_DATA, compose_cfg, run_cli, tracker
+from tests.test_artifacts import _as_is
 
 EXPECTED = {  # family, label, kernel
     "gptq-g32": ("gptq", "gptq-w4-g32", "int4"), "gptq-g64": ("gptq", "gptq-w4-g64", "int4"),
@@ -116,19 +117,9 @@ def test_weights_counted_unpacked(art):
     assert bits == pytest.approx(32 * float_share + (4 + (16 + 4) / 32) * (1 - float_share), rel=1e-6)
 
 
-def _as_is(path, ref, dtype="float32"):
-    cfg = to_point(compose_cfg(["model=hf", f"model.path={path}", "scheme/weights=as-is", f"reference.path={ref}",
-                                f"scheme.weights.compute_dtype={dtype}"], to_object=False))
-    model, tok = models.load(cfg.model, cfg.cache_dir)
-    dense = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    applied = weights_handler(cfg.scheme.weights).apply(model, cfg.scheme.weights,
-                                                         ApplyContext(hw=hardware.cpu(), tokenizer=tok))
-    return cfg, model, dense, applied
-
-
 @pytest.mark.parametrize("kind", ["gptq-g32", "gptq-g32-asym", "gptq-g32-v2", "awq-g64"])
 def test_as_is_layers_run_the_checkpoints_integers_on_the_int4_kernel(art, kind):
-    cfg, model, dense, applied = _as_is(art[kind], art["float"])
+    cfg, model, dense, applied = _as_is(art[kind], art["float"], "float32")
     rebuilt = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
     assert len(rebuilt) == 14 and not applied.emulated
     assert applied.backend == "aten._weight_int4pack_mm_for_cpu" and applied.tags["artifact.dequantized_layers"] == "0"
@@ -146,10 +137,10 @@ def test_layers_in_activation_order_stay_dequantized_and_the_point_says_so(art):
     """A GPTQ layer whose groups are not contiguous (activation order)
     keeps its dequantized weight, and the point is emulated, saying how many
     layers; 8-bit GPTQ groups have no quantlab kernel: emulated from launch."""
-    _, model, _, applied = _as_is(art["gptq-g32-act-order"], art["float"])
+    _, model, _, applied = _as_is(art["gptq-g32-act-order"], art["float"], "float32")
     assert applied.emulated and not any(isinstance(m, Int4Linear) for m in model.modules())
     assert applied.backend.endswith("(14 layers dequantized)") and applied.tags["artifact.dequantized_layers"] == "14"
-    cfg, model, _, applied = _as_is(art["gptq-w8-g32"], art["float"])
+    cfg, model, _, applied = _as_is(art["gptq-w8-g32"], art["float"], "float32")
     assert applied.emulated and not any(isinstance(m, Int4Linear) for m in model.modules())
     assert weights_handler(cfg.scheme.weights).support(cfg.scheme.weights, hardware.cpu()).status == "emulated"
 

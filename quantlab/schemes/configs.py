@@ -19,10 +19,11 @@ from typing import Any, ClassVar
 import yaml
 
 from quantlab import resources
+from quantlab.artifacts import TINYGEMM_GROUPS
 from quantlab.schemes.base import KVScheme, WeightScheme
 
 DEFAULT_SKIP = ["lm_head"]  # Linear layers no scheme quantizes unless told (fnmatch patterns)
-GROUP_SIZES = (32, 64, 128, 256)  # int4 groups the CPU kernel takes
+GROUP_SIZES = TINYGEMM_GROUPS  # int4 groups the CPU kernel takes
 FP8_FORMATS = ("e4m3", "e5m2")
 FP8_ACTIVATIONS = ("none", "dynamic")
 BNB4_QUANT_TYPES = ("nf4", "fp4")

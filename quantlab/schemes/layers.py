@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from quantlab.errors import UserError
+from quantlab.schemes.configs import GROUP_SIZES
 
 
 def select(model: nn.Module, skip: list[str]) -> list[tuple[str, nn.Linear]]:
@@ -32,7 +33,7 @@ def check_group_size(linears: list[tuple[str, nn.Linear]], group_size: int, sche
     if not bad:
         return
     sizes = sorted({k for _, k in bad})
-    ok = [g for g in (32, 64, 128, 256) if all(m.in_features % g == 0 for _, m in linears)]
+    ok = [g for g in GROUP_SIZES if all(m.in_features % g == 0 for _, m in linears)]
     raise UserError(
         f"{scheme}: group_size {group_size} does not divide in_features {sizes} of "
         f"{len(bad)} layers (first: {bad[0][0]}); group sizes that fit every layer: "
