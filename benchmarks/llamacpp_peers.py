@@ -22,7 +22,7 @@ drift between rounds hits both sides of a round alike).
     python benchmarks/llamacpp_peers.py --model smollm2 --quants Q4_K_M,Q6_K [--tools DIR]
 
 The tools: ``bash scripts/build_llama_tools.sh DIR`` (default DIR:
-``~/.cache/quantlab/llama-tools/<llama-cpp-python version>``).
+``~/.cache/quantlab/llama-tools/<llama-cpp-python version>-r<its revision>``).
 """
 from __future__ import annotations
 
@@ -48,8 +48,17 @@ _KLD = re.compile(r"Mean\s+KLD:\s+([-\d.eE+]+)\s+±\s+([-\d.eE+]+)")
 _TOP = re.compile(r"Same top p:\s+([-\d.eE+]+)\s+±\s+([-\d.eE+]+)\s*%")
 
 
+BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "build_llama_tools.sh"
+
+
 def default_tools() -> Path:
-    return Path("~/.cache/quantlab/llama-tools").expanduser() / importlib.metadata.version("llama-cpp-python")
+    """Where the tools of this llama-cpp-python's llama.cpp, built by this
+    checkout's build script, are cached:
+    ``~/.cache/quantlab/llama-tools/<version>-r<the script's revision>``."""
+    revision = subprocess.run(["bash", str(BUILD_SCRIPT), "--revision"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    return (Path("~/.cache/quantlab/llama-tools").expanduser()
+            / f"{importlib.metadata.version('llama-cpp-python')}-r{revision}")
 
 
 def _repack(bench: bool = False) -> list[str]:
@@ -72,19 +81,15 @@ def theirs_kld(tools: Path, base: Path, quant: Path, text: Path, ctx: int, threa
                                capture_output=True, text=True, timeout=1800)
         if first.returncode != 0:
             raise RuntimeError(f"llama-perplexity (base) failed: {first.stderr[-1500:]}")
-        # up to 3 tries: on a loaded machine llama-perplexity has exited 0 with its per-chunk lines but
-        # without its closing statistics (its logging thread is not drained at exit; seen once in the suite)
-        for _ in range(3):
-            second = subprocess.run([exe, "-m", str(quant), "--kl-divergence-base", logits, "--kl-divergence",
-                                     *common], capture_output=True, text=True, timeout=1800)
-            if second.returncode != 0:
-                raise RuntimeError(f"llama-perplexity (kl) failed: {second.stderr[-1500:]}")
-            out = second.stdout + second.stderr
-            kld, top = _KLD.search(out), _TOP.search(out)
-            if kld is not None and top is not None:
-                break
-        else:
-            raise RuntimeError(f"llama-perplexity printed no KLD statistics in 3 runs: {out[-1500:]}")
+        second = subprocess.run([exe, "-m", str(quant), "--kl-divergence-base", logits, "--kl-divergence",
+                                 *common], capture_output=True, text=True, timeout=1800)
+        if second.returncode != 0:
+            raise RuntimeError(f"llama-perplexity (kl) failed: {second.stderr[-1500:]}")
+        out = second.stdout + second.stderr
+        kld, top = _KLD.search(out), _TOP.search(out)
+        if kld is None or top is None:
+            raise RuntimeError(f"llama-perplexity printed no KLD statistics (tools built before "
+                               f"scripts/build_llama_tools.sh drained its log?): {out[-1500:]}")
     return {"kld": float(kld[1]), "kld_se": float(kld[2]),
             "same_top": float(top[1]) / 100, "same_top_se": float(top[2]) / 100}
 

@@ -51,17 +51,22 @@ def _cache(tmp_path_factory, monkeypatch):
 def llama_tools() -> Path:
     """The folder of llama.cpp's own tools (llama-server, llama-perplexity,
     llama-bench) built from the llama.cpp that llama-cpp-python vendors, once
-    per version, into ~/.cache/quantlab/llama-tools/<version>/
+    per version and build-script revision, into
+    ~/.cache/quantlab/llama-tools/<version>-r<revision>/
     (scripts/build_llama_tools.sh, about 10 minutes on 2 cores)."""
-    import importlib.metadata
+    from filelock import FileLock
 
-    version = importlib.metadata.version("llama-cpp-python")
-    prefix = Path("~/.cache/quantlab/llama-tools").expanduser() / version
-    if not all((prefix / t).is_file() for t in ("llama-server", "llama-perplexity", "llama-bench")):
-        proc = subprocess.run(["bash", str(REPO / "scripts" / "build_llama_tools.sh"), str(prefix)],
-                              capture_output=True, text=True, timeout=2400)
-        if proc.returncode != 0:
-            pytest.skip(f"could not build llama.cpp's tools (needs PyPI and cmake): {proc.stderr[-500:]}")
+    from benchmarks.llamacpp_peers import BUILD_SCRIPT, default_tools
+
+    prefix = default_tools()
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    # one build: xdist workers whose files need the tools wait for the first
+    with FileLock(f"{prefix}.lock"):
+        if not all((prefix / t).is_file() for t in ("llama-server", "llama-perplexity", "llama-bench")):
+            proc = subprocess.run(["bash", str(BUILD_SCRIPT), str(prefix)], capture_output=True, text=True,
+                                  timeout=2400)
+            if proc.returncode != 0:
+                pytest.skip(f"could not build llama.cpp's tools (needs PyPI and cmake): {proc.stderr[-500:]}")
     return prefix
 
 
