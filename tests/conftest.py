@@ -13,12 +13,18 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+# Before torch (and its OpenMP) loads here or in any process a test starts: OpenMP threads that sleep when idle
+# instead of spinning. Two xdist workers on 2 cores each run 2-thread torch, llama.cpp and vLLM processes; spinning
+# threads took the cores from each other's work (the every-preset sweep of test_targets beside a 2-thread torch
+# loop: 195 s spinning, 81 s passive, 73 s alone). No test asserts a speed (benchmarks/ measure, without this).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from quantlab.cli import CONF_DIR
-from quantlab.compose import register_configs
+import pytest  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from quantlab.cli import CONF_DIR  # noqa: E402
+from quantlab.compose import register_configs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # the benchmark data: where QUANTLAB_DATA_DIR points (as .ci/run sets it), else ../shared/data
