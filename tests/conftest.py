@@ -44,13 +44,16 @@ def store(tmp_path):
     return [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"tracking.artifact_root={tmp_path}/art"]
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    """One quantlab cache per test session (reference logits, converted models)."""
-    cache = os.environ.get("QUANTLAB_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "qlcache")
-    monkeypatch.setenv("QUANTLAB_CACHE", cache)
-    # a user's own store must not receive the suite's runs (every command honours it)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+@pytest.fixture(autouse=True, scope="session")
+def _suite_env(tmp_path_factory):
+    """What every test and every module's shared sweep runs under: one quantlab
+    cache per test session (reference logits, converted models), and no
+    user's tracking store (every command honours MLFLOW_TRACKING_URI)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QUANTLAB_CACHE", os.environ.get("QUANTLAB_TEST_CACHE")
+                  or str(tmp_path_factory.getbasetemp() / "qlcache"))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -50,13 +50,20 @@ def _sweep(tmp_path, name: str, *extra: str, server: bool = False):
     return proc, kids, arts
 
 
+@pytest.fixture(scope="module")
+def basic(tmp_path_factory):
+    """The smoke sweep under the basic launcher, into a file store: what both
+    Ray sweeps are held against (run once for the file)."""
+    return _sweep(tmp_path_factory.mktemp("basic"), "basic")
+
+
 @needs_ray
-def test_a_ray_sweep_logs_what_the_basic_launcher_logs(tmp_path):
+def test_a_ray_sweep_logs_what_the_basic_launcher_logs(tmp_path, basic):
     """Same runs (names, outcomes, metric names), one parent, the report on it
     and exit 0; each point in a fresh worker process of its own (max_calls 1),
     one at a time (each asks for the node's cores, so no two are timed on the
     same cores)."""
-    basic, b_kids, b_arts = _sweep(tmp_path, "basic")
+    basic, b_kids, b_arts = basic
     ray, r_kids, r_arts = _sweep(tmp_path, "ray", "hydra/launcher=ray")
     assert basic.returncode == ray.returncode == 0, ray.stderr[-3000:]
     assert set(b_kids) == set(r_kids) == {"fp32@cpu", "bf16@cpu", "fp16@cpu"}
@@ -70,12 +77,12 @@ def test_a_ray_sweep_logs_what_the_basic_launcher_logs(tmp_path):
 
 
 @needs_ray
-def test_a_ray_sweep_through_a_tracking_server_quantlab_starts(tmp_path):
+def test_a_ray_sweep_through_a_tracking_server_quantlab_starts(tmp_path, basic):
     """``hydra/launcher=ray tracking=server`` with no server running: one is
     started for the sweep (the only writer: the workers log over HTTP), and
     its store holds the runs and metric names the basic launcher's file store
     does, the report on the parent, exit 0."""
-    basic, b_kids, _ = _sweep(tmp_path, "basic")
+    basic, b_kids, _ = basic
     ray, r_kids, r_arts = _sweep(tmp_path, "served", "hydra/launcher=ray", server=True)
     assert basic.returncode == ray.returncode == 0, ray.stderr[-3000:]
     assert "started an MLflow tracking server" in ray.stderr
