@@ -286,17 +286,18 @@ def quantization_config(folder: Path) -> dict:
     return q if isinstance(q, dict) else {}
 
 
-def quant_method(folder: Path) -> str:
-    """The ``quant_method`` of a local checkpoint directory (lower case),
-    '' for a float checkpoint."""
-    return str(quantization_config(folder).get("quant_method", "")).lower()
+def quant_method(q: dict) -> str:
+    """The ``quant_method`` of a :func:`quantization_config` (lower case),
+    '' for a float checkpoint's ``{}``."""
+    return str(q.get("quant_method", "")).lower()
 
 
 def _packing(folder: Path) -> tuple[str, int]:
     """``(quant_method, weights per stored element)`` of a GPTQ, AWQ or
     bitsandbytes 4-bit checkpoint directory (a GPTQ/AWQ int32 holds
     ``32 / bits``, a bitsandbytes byte two), ``("", 0)`` for any other."""
-    q, method = quantization_config(folder), quant_method(folder)
+    q = quantization_config(folder)
+    method = quant_method(q)
     if method in ("gptq", "awq"):
         return method, 32 // int(q.get("bits", q.get("w_bit", 4)) or 4)
     if method == "bitsandbytes" and (q.get("load_in_4bit") or q.get("_load_in_4bit")):

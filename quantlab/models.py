@@ -85,7 +85,7 @@ def _from_pretrained(path: str, dtype, revision=None, trust_remote_code=False):
     rebuilds or keeps its quantized layers from there)."""
     extra = {}
     local = Path(path).expanduser()
-    method = model_files.quant_method(local) if local.is_dir() else ""
+    method = model_files.quant_method(model_files.quantization_config(local)) if local.is_dir() else ""
     if method == "compressed-tensors":
         from transformers import CompressedTensorsConfig
 
