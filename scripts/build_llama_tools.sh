@@ -26,8 +26,9 @@ pip download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$wo
 tar xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 ppl="$src/tools/perplexity/perplexity.cpp"
-[ "$(grep -c '^    llama_backend_free();$' "$ppl")" = 1 ] || { echo "perplexity.cpp: no single llama_backend_free() to flush the log before" >&2; exit 1; }
-sed -i 's/^    llama_backend_free();$/    common_log_pause(common_log_main());\n    llama_backend_free();/' "$ppl"
+free='^    llama_backend_free();$'  # main's last call: the log is drained just before it
+[ "$(grep -c "$free" "$ppl")" = 1 ] || { echo "perplexity.cpp: no single llama_backend_free() to flush the log before" >&2; exit 1; }
+sed -i "s/$free/    common_log_pause(common_log_main());\n    llama_backend_free();/" "$ppl"
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF \
