@@ -51,17 +51,34 @@ SERVER_WAIT_S = 300.0
 _ANSWERED: set[str] = set()  # server URIs that answered this process: only those are waited for
 
 
-def retry(fn: Callable[..., T]) -> Callable[..., T]:
+def retry(fn: Callable[..., T] | None = None, *, resend: bool = True):
     """Retry on SQLite writer contention (parallel workers on one .db file),
-    with exponential backoff up to ~30 s; any other error passes through."""
+    with exponential backoff up to ~30 s, and (``resend``) send again a request a tracking
+    server that answered this process before dropped without an answer (killed
+    or restarted while it read or answered: :func:`_dropped_by`), once it
+    answers again (waited for up to :data:`SERVER_WAIT_S`, at most three
+    outages a call); any other error passes through.
+
+    With ``resend``, ``fn`` must be safe to call twice: what it sends the
+    second time lands as a no-op or is found (the same tags, params and
+    metrics with their timestamps; a create whose twin its key finds). Used
+    bare (``@retry``) or as ``@retry(resend=False)``."""
+    if fn is None:
+        return functools.partial(retry, resend=resend)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        delay = 0.05
+        delay, outages = 0.05, 0
         for attempt in range(12):
             try:
                 return fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - filtered on the message below
+                if resend and (server := _dropped_by(e)) and outages < 3:
+                    outages += 1
+                    log.warning("tracking server %s dropped a request (%s): sending it again once it answers",
+                                server, str(e).splitlines()[0].split(" failed with ", 1)[1][:160])
+                    _check_server(server, SERVER_WAIT_S)
+                    continue
                 if attempt == 11 or not any(s in str(e) for s in _LOCKED):
                     raise
                 log.debug("tracking store locked, retrying in %.2fs", delay)
@@ -70,6 +87,21 @@ def retry(fn: Callable[..., T]) -> Callable[..., T]:
         raise AssertionError("unreachable")
 
     return wrapper
+
+
+def _dropped_by(e: Exception) -> str | None:
+    """The URI of the tracking server a request failed on without an HTTP
+    answer (MLflow's "API request to URL failed with exception ...": refused,
+    reset, closed without a response, timed out), when that server answered
+    this process before; None for anything else (an HTTP error status, a
+    server never reached: a wrong URI fails at once)."""
+    if not isinstance(e, MlflowException):
+        return None
+    head = str(e).splitlines()[0] if str(e) else ""
+    if not head.startswith("API request to ") or " failed with " not in head or " error code " in head:
+        return None
+    url = head[len("API request to "):].split(" ", 1)[0]
+    return next((u for u in sorted(_ANSWERED) if url.startswith(u.rstrip("/") + "/")), None)
 
 
 @retry
@@ -192,12 +224,15 @@ class Run:
         """The run as MLflow has it now (``info``, ``data.tags``, ``data.metrics``)."""
         return self.tracker.get(self.id)
 
-    @retry
     def log_metrics(self, metrics: dict[str, float]) -> None:
-        now = get_current_time_millis()
+        now = get_current_time_millis()  # stamped once: a batch sent again lands as a no-op
         items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
         for i in range(0, len(items), 1000):
-            self.client.log_batch(self.id, metrics=items[i:i + 1000])
+            self._log_metric_batch(items[i:i + 1000])
+
+    @retry
+    def _log_metric_batch(self, items: list[Metric]) -> None:
+        self.client.log_batch(self.id, metrics=items)
 
     @retry
     def log_params(self, params: dict[str, str]) -> None:
@@ -271,30 +306,37 @@ class Tracker:
     def get(self, run_id: str):
         return self.client.get_run(run_id)
 
-    @retry
     def start(self, name: str, tags: dict[str, str], parent: str | None = None,
               params: dict[str, str] | None = None) -> Run:
         """A RUNNING run owned by this process (host/pid tags let a later
         sweep recognise it as dead after a kill -9), under sweep ``parent``.
 
-        Exactly one run: MLflow's client retries a request whose answer was lost
-        (a tracking server restarted while it replied), and a retried create makes
-        a second run. The call's own key tag finds such twins; they are deleted."""
+        Exactly one run: a create whose answer was lost (a tracking server
+        restarted while it replied) is sent again, by MLflow's client or by
+        :func:`retry`, and makes a second run. The call's own key tag, the same
+        in every try, finds such twins; they are deleted."""
         me = psutil.Process()
         key = uuid.uuid4().hex
         tags = {**tags, HOST_TAG: socket.gethostname(), PID_TAG: str(me.pid),
                 PID_START_TAG: tracking_server.process_stamp(me), CREATE_KEY_TAG: key}
         if parent:
             tags[PARENT_TAG] = parent
-        created = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
-        for twin in self._search(f"tags.`{CREATE_KEY_TAG}` = '{key}'", max_results=100):
-            if twin.info.run_id != created.info.run_id:
-                log.warning("run %s: a retried create made a twin %s; deleted", created.info.run_id,
-                            twin.info.run_id)
-                self.client.delete_run(twin.info.run_id)
-        run = Run(self, created.info.run_id)
+        created = self._create(name, tags)
+        self._delete_twins(created, key)
+        run = Run(self, created)
         run.log_params(params or {})
         return run
+
+    @retry
+    def _create(self, name: str, tags: dict[str, str]) -> str:
+        return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+
+    @retry
+    def _delete_twins(self, run_id: str, key: str) -> None:
+        for twin in self._search(f"tags.`{CREATE_KEY_TAG}` = '{key}'", max_results=100):
+            if twin.info.run_id != run_id:
+                log.warning("run %s: a create sent again made a twin %s; deleted", run_id, twin.info.run_id)
+                self.client.delete_run(twin.info.run_id)
 
     def _search(self, filter_string: str, newest_first: bool = False, max_results: int = 5000) -> list:
         order = ["attributes.start_time DESC"] if newest_first else None
@@ -414,8 +456,7 @@ class Tracker:
         was = os.environ.get(_BAR)
         os.environ[_BAR] = "false"
         try:
-            into = into or Path(tempfile.mkdtemp(prefix="quantlab-artifact-"))
-            return Path(self.client.download_artifacts(run_id, name, str(into)))
+            return self._download(run_id, name, into or Path(tempfile.mkdtemp(prefix="quantlab-artifact-")))
         except MlflowException:
             return None
         finally:
@@ -425,6 +466,10 @@ class Tracker:
                 os.environ[_BAR] = was
 
     @retry
+    def _download(self, run_id: str, name: str, into: Path) -> Path:
+        return Path(self.client.download_artifacts(run_id, name, str(into)))
+
+    @retry(resend=False)  # a version created twice would be two versions
     def register(self, name: str, source: str, run_id: str, tags: dict[str, str]):
         """A new version of registered model ``name`` (created if new) from
         artifact URI ``source`` of run ``run_id``."""

@@ -329,3 +329,106 @@ def test_provenance_from_a_copy_that_is_not_a_git_checkout(tmp_path):
     assert where.startswith(str(tmp_path)) and commit == "not a git checkout", proc.stderr
     assert "fatal" not in proc.stderr
     assert tracking.git_commit() not in ("not a git checkout", "unknown")  # this checkout is one
+
+
+DROPPED = ("API request to {}/api/2.0/{} failed with exception ('Connection aborted.', "
+           "RemoteDisconnected('Remote end closed connection without response'))")
+
+
+def _dropped_once(monkeypatch, client, method: str, uri: str, endpoint: str) -> list[int]:
+    """``client.method`` runs on the store, then (the first time only) fails as
+    a tracking server at ``uri`` killed before it answered makes MLflow fail
+    without retrying; the calls made, as a list the test reads."""
+    from mlflow.exceptions import MlflowException
+
+    real, calls = getattr(client, method), []
+
+    def lost_answer(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            raise MlflowException(DROPPED.format(uri, endpoint))
+        return out
+
+    monkeypatch.setattr(client, method, lost_answer)
+    return calls
+
+
+@pytest.fixture
+def server_tracker(tmp_path, monkeypatch):
+    """A Tracker on a local store, its requests reported as if they went to a
+    tracking server at http://127.0.0.1:1 that answered before and answers
+    again at once; the URIs it was waited for."""
+    from quantlab import tracking_server
+    from quantlab.tracking_config import TrackingConfig
+
+    uri, waited = "http://127.0.0.1:1", []
+    monkeypatch.setattr(tracking, "_ANSWERED", {uri})
+    monkeypatch.setattr(tracking_server, "unreachable", lambda u, timeout: waited.append(u) or "")
+    return tracking.connect(TrackingConfig(uri=f"sqlite:///{tmp_path}/m.db", artifact_root=None)), uri, waited
+
+
+def test_requests_a_restarted_server_dropped_are_sent_again_and_land_once(server_tracker, monkeypatch, caplog):
+    """A request the server processed but never answered (killed, then
+    started again: MLflow raises "Connection aborted" without its own retry)
+    is sent again once the server answers: the create leaves one run (its
+    key finds the twin), the metrics one value each (stamped once), the
+    params, tags and artifacts once."""
+    t, uri, waited = server_tracker
+    client = t.client
+    creates = _dropped_once(monkeypatch, client, "create_run", uri, "mlflow/runs/create")
+    run = t.start("int8@cpu", {"k": "v"}, params={"p": "1"})
+    assert len(creates) == 2 and waited == [uri]
+    (active,) = client.search_runs([t.experiment_id])
+    assert active.info.run_id == run.id and active.data.params == {"p": "1"}
+    batches = _dropped_once(monkeypatch, client, "log_batch", uri, "mlflow/runs/log-batch")
+    run.log_metrics({"fid/kl": 0.25, "latency/tpot_ms_p50": 3.0})
+    assert len(batches) == 2
+    assert [m.value for m in client.get_metric_history(run.id, "fid/kl")] == [0.25]
+    run.set_tags({"t": "x"})
+    uploads = _dropped_once(monkeypatch, client, "log_artifact", uri, "mlflow-artifacts/artifacts/note.txt")
+    run.log_text("hello", "note.txt")
+    assert len(uploads) == 2
+    run.set_status("FINISHED")
+    got = client.get_run(run.id)
+    assert got.data.tags["t"] == "x" and got.info.status == "FINISHED"
+    assert t.download(run.id, "note.txt").read_text() == "hello"
+    assert sum("dropped a request" in r.getMessage() for r in caplog.records) == 3
+
+
+@pytest.mark.parametrize("message", [
+    "API request to http://127.0.0.1:2/api/2.0/mlflow/runs/create failed with exception "
+    "('Connection aborted.', RemoteDisconnected('Remote end closed connection without response'))",
+    "API request to endpoint /api/2.0/mlflow/runs/create failed with error code 500 != 200. Response body: ''",
+    "RESOURCE_DOES_NOT_EXIST: Run 'x' not found",
+])
+def test_only_a_dropped_request_to_a_server_that_answered_is_sent_again(server_tracker, monkeypatch, message):
+    """A server never reached (a wrong URI), an HTTP error or any other
+    failure passes through at once: nothing waits, nothing is sent twice."""
+    from mlflow.exceptions import MlflowException
+
+    t, uri, waited = server_tracker
+    calls = []
+
+    def fails(*args, **kwargs):
+        calls.append(1)
+        raise MlflowException(message)
+
+    monkeypatch.setattr(t.client, "create_run", fails)
+    with pytest.raises(MlflowException, match=message[:20]):
+        t.start("int8@cpu", {})
+    assert calls == [1] and waited == []
+
+
+def test_a_model_version_is_not_registered_twice(server_tracker, monkeypatch):
+    """Registering is not safe to send twice (two versions): a dropped
+    request is an error, never a second version."""
+    from mlflow.exceptions import MlflowException
+
+    t, uri, waited = server_tracker
+    run = t.start("int8@cpu", {})
+    calls = _dropped_once(monkeypatch, t.client, "create_model_version", uri, "mlflow/model-versions/create")
+    with pytest.raises(MlflowException, match="Connection aborted"):
+        t.register("tiny-int8", "runs:/x/model", run.id, {})
+    assert len(calls) == 1 and waited == []
+    assert len(t.client.search_model_versions("name='tiny-int8'")) == 1
