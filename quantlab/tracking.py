@@ -138,6 +138,8 @@ def connect(cfg: TrackingConfig, wait_s: float = 0.0) -> Tracker:
                 raise
             return Tracker(client, exp.experiment_id)
     except mlflow.exceptions.MlflowException as e:
+        if _dropped_by(e):  # sent again by retry once the server answers
+            raise
         raise UserError(f"tracking store {uri} unusable: {str(e).splitlines()[0]}") from e
 
 

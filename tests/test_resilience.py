@@ -371,14 +371,20 @@ def server_tracker(tmp_path, monkeypatch):
 def test_requests_a_restarted_server_dropped_are_sent_again_and_land_once(server_tracker, monkeypatch, caplog):
     """A request the server processed but never answered (killed, then
     started again: MLflow raises "Connection aborted" without its own retry)
-    is sent again once the server answers: the create leaves one run (its
-    key finds the twin), the metrics one value each (stamped once), the
-    params, tags and artifacts once."""
+    is sent again once the server answers: the experiment is found, the
+    create leaves one run (its key finds the twin), the metrics one value
+    each (stamped once), the params, tags and artifacts once."""
+    from quantlab.tracking_config import TrackingConfig
+
     t, uri, waited = server_tracker
+    looks = _dropped_once(monkeypatch, MlflowClient, "get_experiment_by_name", uri,
+                          "mlflow/experiments/get-by-name")
+    again = tracking.connect(TrackingConfig(uri=t.client.tracking_uri, artifact_root=None))
+    assert again.experiment_id == t.experiment_id and len(looks) == 2 and waited == [uri]
     client = t.client
     creates = _dropped_once(monkeypatch, client, "create_run", uri, "mlflow/runs/create")
     run = t.start("int8@cpu", {"k": "v"}, params={"p": "1"})
-    assert len(creates) == 2 and waited == [uri]
+    assert len(creates) == 2 and waited == [uri, uri]
     (active,) = client.search_runs([t.experiment_id])
     assert active.info.run_id == run.id and active.data.params == {"p": "1"}
     batches = _dropped_once(monkeypatch, client, "log_batch", uri, "mlflow/runs/log-batch")
@@ -393,7 +399,7 @@ def test_requests_a_restarted_server_dropped_are_sent_again_and_land_once(server
     got = client.get_run(run.id)
     assert got.data.tags["t"] == "x" and got.info.status == "FINISHED"
     assert t.download(run.id, "note.txt").read_text() == "hello"
-    assert sum("dropped a request" in r.getMessage() for r in caplog.records) == 3
+    assert sum("dropped a request" in r.getMessage() for r in caplog.records) == 4
 
 
 @pytest.mark.parametrize("message", [
